@@ -1,0 +1,1 @@
+"""Subcommands of the ``chameleon`` tool; each module has ``add_parser`` and ``run``."""

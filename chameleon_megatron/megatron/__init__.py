@@ -1,0 +1,1 @@
+"""Seams into megatron-core: platform patches, schedule wrappers, process groups, state."""

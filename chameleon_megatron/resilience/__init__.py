@@ -1,0 +1,1 @@
+"""Fault tolerance (paper B): decision center (pure planning) and recovery runtime."""

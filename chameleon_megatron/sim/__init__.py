@@ -1,0 +1,1 @@
+"""Cluster-scale failure simulator (traces, strategies, baselines)."""

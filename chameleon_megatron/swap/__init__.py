@@ -1,0 +1,1 @@
+"""Activation swapping (paper A): online profiler, policy generator, executor, manager."""

@@ -1,0 +1,1 @@
+"""The megatron-core GPT trainer behind ``chameleon_megatron.pretrain_gpt``."""
