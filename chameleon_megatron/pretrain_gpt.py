@@ -1,0 +1,69 @@
+"""GPT pretraining on megatron-core, the ``pretrain_gpt.py`` of Megatron-LM with Chameleon.
+
+Run it under ``torchrun`` (or ``chameleon-run`` for fault tolerance); without a launcher it
+trains in one process. Flags are Megatron-LM's, plus ``--chameleon-*``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from chameleon_megatron.config import ChameleonConfig, config_from_args
+from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.megatron.platform import CpuPlatform
+from chameleon_megatron.training import distributed
+from chameleon_megatron.training.arguments import parse_args
+from chameleon_megatron.training.plugin import TrainerPlugin
+from chameleon_megatron.training.trainer import Trainer
+from chameleon_megatron.training.validate import validate_args
+
+logger = logging.getLogger("chameleon_megatron.pretrain_gpt")
+
+
+def build_plugins(cfg: ChameleonConfig) -> list[TrainerPlugin]:
+    """The Chameleon subsystems this run enables, in the order their hooks nest."""
+    plugins: list[TrainerPlugin] = []
+    if cfg.swap.enabled:
+        from chameleon_megatron.swap.plugin import SwapPlugin
+
+        plugins.append(SwapPlugin(cfg.swap))
+    return plugins
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    """Parse, validate, train; returns this rank's metrics records."""
+    args = parse_args(argv)
+    env = distributed.env_from_torchrun()
+    try:
+        validate_args(args, env.world_size)
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        raise SystemExit(f"chameleon-pretrain-gpt: error: {exc}") from None
+    platform = CpuPlatform()
+    platform.apply()
+    trainer = Trainer(args, cfg, build_plugins(cfg), env)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()
+        distributed.shutdown()
+        platform.remove()
+
+
+def setup_logging() -> None:
+    """Application logging: ours at INFO, megatron-core's (very chatty at INFO) at WARNING."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Training data through megatron.core.datasets: mock tokens or an indexed GPT dataset.
+
+Samples are addressed by their global index. The global batch of step k holds samples
+``[consumed, consumed + global_batch)``; microbatch j of data-parallel rank r holds the
+``micro`` samples starting at ``consumed + (j * dp + r) * micro`` (Megatron's sampler
+order). The position in the data is therefore a function of ``consumed_samples`` alone,
+which makes a resumed (or recovered) run see exactly the samples it would have seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens plus an end-of-document token (no vocabulary file needed).
+
+    Has what megatron.core.datasets reads of a tokenizer: ``vocab_size``, ``eod`` and
+    ``unique_identifiers`` (part of the dataset cache key).
+    """
+
+    def __init__(self, vocab_size: int = 257) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size={vocab_size}: must be >= 2")
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.unique_identifiers = {"class": type(self).__name__, "vocab_size": vocab_size}
+
+    def tokenize(self, text: str) -> np.ndarray:
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        return ids % (self.vocab_size - 1)
+
+    def detokenize(self, ids: np.ndarray) -> str:
+        return bytes(int(i) for i in ids if i < min(256, self.eod)).decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Datasets:
+    train: GPTDataset
+    valid: GPTDataset | None
+
+
+def _split_sizes(args: argparse.Namespace) -> list[int]:
+    """Samples needed per split: every training step plus every evaluation."""
+    gbs = args.global_batch_size
+    train = max(args.train_iters, 1) * gbs
+    n_evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
+    valid = max(args.eval_iters, 1) * gbs * n_evals
+    return [train, valid, 0]
+
+
+def build_datasets(args: argparse.Namespace) -> Datasets:
+    """Build train/valid GPT datasets on every rank (deterministic, so no broadcast needed)."""
+    tokenizer = ByteTokenizer(args.vocab_size)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else (list(args.data_path), None),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        cls, _split_sizes(args), lambda: True, config
+    ).build()
+    return Datasets(train=train, valid=valid)
+
+
+def microbatch_indices(consumed: int, *, micro: int, dp: int, dp_rank: int,
+                       num_microbatches: int) -> list[list[int]]:
+    """Global sample indices of this rank's microbatches for one step."""
+    return [
+        [consumed + (j * dp + dp_rank) * micro + i for i in range(micro)]
+        for j in range(num_microbatches)
+    ]
+
+
+def _collate(dataset: GPTDataset, indices: list[int], device: torch.device) -> dict:
+    samples = [dataset[i % len(dataset)] for i in indices]
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
+             ("tokens", "labels", "loss_mask", "position_ids")}
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def step_iterator(dataset: GPTDataset, consumed: int, *, micro: int, dp: int, dp_rank: int,
+                  num_microbatches: int, device: torch.device) -> Iterator[dict]:
+    """The microbatches this rank feeds into one forward-backward call."""
+    for idx in microbatch_indices(consumed, micro=micro, dp=dp, dp_rank=dp_rank,
+                                  num_microbatches=num_microbatches):
+        yield _collate(dataset, idx, device)
+
+
+def global_batch_size_at(args: argparse.Namespace, consumed: int) -> int:
+    """Global batch size after ``consumed`` samples, with Megatron's linear ramp-up rule."""
+    if args.rampup_batch_size is None:
+        return args.global_batch_size
+    start, incr, ramp_samples = args.rampup_batch_size
+    steps = max((args.global_batch_size - start) // incr, 1)
+    per_increment = ramp_samples / steps
+    return min(start + int(consumed // per_increment) * incr, args.global_batch_size)

@@ -1,0 +1,125 @@
+"""Build the GPT model chunks of this rank: TransformerConfig, layer spec, DDP wrapping."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from chameleon_megatron.training.init_weights import init_layout_independent
+
+logger = logging.getLogger(__name__)
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
+        if args.num_experts else None,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # One normaliser for the whole global batch, whatever the layout or microbatch split.
+        calculate_per_token_loss=True,
+        # gloo pairs p2p ops by order; batched p2p is wrong when prev and next are one peer.
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=True,
+        use_cpu_initialization=not on_gpu or args.use_cpu_initialization,
+        # Fused kernels need CUDA (and apex/TE); the unfused paths compute the same thing.
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and not args.swiglu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=on_gpu,
+    )
+
+
+def layer_spec(args: argparse.Namespace):
+    """TransformerEngine spec when TE and CUDA are usable, megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if torch.cuda.is_available():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
+        except (ImportError, RuntimeError) as exc:
+            logger.info("TransformerEngine unusable (%s): using the local layer spec", exc)
+    return specs.get_gpt_layer_local_spec(num_experts=args.num_experts,
+                                          normalization=args.normalization)
+
+
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage of this rank (one without interleaving)."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    spec = layer_spec(args)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                              vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                              vp_stage=stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base,
+            vp_stage=stage,
+        ))
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    for chunk in chunks:
+        chunk.to(device)
+    init_layout_independent(chunks, seed=args.seed, std=args.init_method_std,
+                            num_layers=args.num_layers)
+    return chunks
+
+
+def wrap_ddp(args: argparse.Namespace, config: TransformerConfig,
+             chunks: list[GPTModel]) -> list[DistributedDataParallel]:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                # Only the first chunk buckets, as in Megatron-LM.
+                                disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]

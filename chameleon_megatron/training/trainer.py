@@ -1,0 +1,187 @@
+"""The GPT training loop: set-up, steps, evaluation, checkpoints, logs and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+from megatron.core import parallel_state
+
+from chameleon_megatron.config import ChameleonConfig
+from chameleon_megatron.training import checkpoint, data, distributed, model as model_lib
+from chameleon_megatron.training.metrics import MetricsWriter, log_line
+from chameleon_megatron.training.optim import build_optimizer, build_scheduler
+from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
+from chameleon_megatron.training.step import (
+    StepResult, configure_schedule, eval_step, train_step,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One training run on this rank; ``setup()`` then ``train()``, ``close()`` at the end."""
+
+    def __init__(self, args: argparse.Namespace, cfg: ChameleonConfig,
+                 plugins: list[TrainerPlugin] | None = None,
+                 env: distributed.DistEnv | None = None) -> None:
+        self.args = args
+        self.cfg = cfg
+        self.plugins = list(plugins or [])
+        self.env = env or distributed.env_from_torchrun()
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.history: list[dict[str, Any]] = []
+        self.metrics = MetricsWriter(cfg.metrics.file, enabled=self.env.rank == 0)
+
+    # ----------------------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        args = self.args
+        self.device = distributed.device_for(self.env)
+        distributed.init_process_groups(args, self.env)
+        distributed.seed_everything(args.seed)
+        self.config = model_lib.transformer_config(args)
+        chunks = model_lib.build_model_chunks(args, self.config)
+        self.model = model_lib.wrap_ddp(args, self.config, chunks)
+        self.optimizer = build_optimizer(args, self.model)
+        self.scheduler = build_scheduler(args, self.optimizer)
+        configure_schedule(self.config, self.model, self.optimizer, args.overlap_grad_reduce)
+        self.datasets = data.build_datasets(args)
+        if args.load:
+            resumed = checkpoint.load_checkpoint(
+                args.load, self.model, self.optimizer, self.scheduler,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+            if resumed is not None:
+                self.iteration = resumed.iteration
+                self.consumed_samples = resumed.consumed_samples
+        for plugin in self.plugins:
+            plugin.on_model_built(self.context())
+        self.metrics.write({"event": "run", "world_size": self.env.world_size,
+                            "args": _jsonable_args(args)})
+
+    def context(self) -> TrainContext:
+        return TrainContext(
+            model=self.model, config=self.config, args=self.args, device=self.device,
+            rank=self.env.rank,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            vpp_size=self.args.virtual_pipeline_model_parallel_size or 1,
+            extra={"optimizer": self.optimizer, "scheduler": self.scheduler},
+        )
+
+    def layout(self) -> dict[str, int]:
+        a = self.args
+        return {"tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
+                "vpp": a.virtual_pipeline_model_parallel_size or 1, "dp": a.data_parallel_size}
+
+    # ----------------------------------------------------------------------------- steps
+    def _iterators(self, dataset, consumed: int, num_microbatches: int) -> list:
+        a = self.args
+        return [
+            data.step_iterator(dataset, consumed, micro=a.micro_batch_size,
+                               dp=a.data_parallel_size,
+                               dp_rank=parallel_state.get_data_parallel_rank(),
+                               num_microbatches=num_microbatches, device=self.device)
+            for _ in self.model
+        ]
+
+    def _schedule(self, gbs: int) -> dict[str, int]:
+        a = self.args
+        return {"num_microbatches": gbs // (a.micro_batch_size * a.data_parallel_size),
+                "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size}
+
+    def train_one(self) -> dict[str, Any]:
+        """Run the next iteration and return its metrics record."""
+        gbs = data.global_batch_size_at(self.args, self.consumed_samples)
+        schedule = self._schedule(gbs)
+        iterators = self._iterators(self.datasets.train, self.consumed_samples,
+                                    schedule["num_microbatches"])
+        start = time.perf_counter()
+        with plugins_step(self.plugins, self.iteration + 1, training=True):
+            result = train_step(self.model, self.optimizer, iterators, **schedule)
+        if not result.skipped:
+            self.scheduler.step(increment=gbs)
+        step_time = time.perf_counter() - start
+        self.iteration += 1
+        self.consumed_samples += gbs
+        return self._record(result, gbs, step_time)
+
+    def _record(self, result: StepResult, gbs: int, step_time: float) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "event": "iteration", "iteration": self.iteration, "loss": result.loss,
+            "step_time_s": step_time, "consumed_samples": self.consumed_samples,
+            "global_batch_size": gbs, "world_size": self.env.world_size,
+            "layout": self.layout(), "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": result.grad_norm, "skipped": result.skipped,
+            "tokens_per_s": gbs * self.args.seq_length / step_time,
+        }
+        for plugin in self.plugins:
+            rec.update(plugin.metrics())
+        return rec
+
+    def evaluate(self) -> dict[str, Any]:
+        """Mean loss over ``--eval-iters`` validation batches (the same batches every time)."""
+        if self.datasets.valid is None:
+            raise RuntimeError("no validation split: give --split with a non-zero valid weight")
+        a = self.args
+        schedule = self._schedule(a.global_batch_size)
+        total, tokens = 0.0, 0
+        for k in range(a.eval_iters):
+            iterators = self._iterators(self.datasets.valid, k * a.global_batch_size,
+                                        schedule["num_microbatches"])
+            with plugins_step(self.plugins, self.iteration, training=False):
+                result = eval_step(self.model, iterators, **schedule)
+            if result.loss is not None:
+                total += result.loss * result.tokens
+                tokens += result.tokens
+        rec = {"event": "eval", "iteration": self.iteration,
+               "loss": total / tokens if tokens else None}
+        logger.info(" validation loss at iteration %d | lm loss: %.6E", self.iteration,
+                    rec["loss"] or float("nan"))
+        return rec
+
+    # ----------------------------------------------------------------------------- loop
+    def train(self) -> list[dict[str, Any]]:
+        a = self.args
+        while self.iteration < a.train_iters:
+            rec = self.train_one()
+            self._emit(rec)
+            if self.env.rank == 0 and (rec["iteration"] % a.log_interval == 0
+                                       or rec["iteration"] == a.train_iters):
+                logger.info(log_line(rec, a.train_iters))
+            if a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0:
+                self._emit(self.evaluate())
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+                self.save()
+        if a.save and (not a.save_interval or self.iteration % a.save_interval):
+            self.save()
+        return self.history
+
+    def save(self) -> None:
+        checkpoint.save_checkpoint(self.args.save, self.model, self.optimizer, self.scheduler,
+                                   iteration=self.iteration,
+                                   consumed_samples=self.consumed_samples)
+
+    def _emit(self, rec: dict[str, Any]) -> None:
+        self.history.append(rec)
+        self.metrics.write(rec)
+
+    def close(self) -> None:
+        for plugin in self.plugins:
+            plugin.on_train_end()
+        self.metrics.close()
+
+
+def _jsonable_args(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for k, v in vars(args).items():
+        if k.startswith("chameleon"):
+            continue
+        if isinstance(v, (int, float, str, bool, type(None))) or (
+                isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v)):
+            out[k] = v
+    return out

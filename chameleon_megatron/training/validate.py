@@ -1,0 +1,145 @@
+"""Check trainer arguments against the world size and fill in derived values.
+
+Runs before any process group or model exists, so a bad layout fails in milliseconds with a
+message that names the value and the limit it breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from chameleon_megatron.configurable import ConfigError
+
+BYTE_VOCAB_SIZE = 257  # the byte tokenizer of training/data.py: 256 bytes + end-of-document
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, flag)
+        _need(value is not None and value > 0,
+              f"--{flag.replace('_', '-')}={value}: required, must be > 0")
+    _need(args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
+          f"--hidden-size={args.hidden_size} is not divisible by "
+          f"--num-attention-heads={args.num_attention_heads}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _need(args.seq_length <= args.max_position_embeddings,
+          f"--seq-length={args.seq_length} exceeds "
+          f"--max-position-embeddings={args.max_position_embeddings}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    _need(args.num_attention_heads % args.num_query_groups == 0,
+          f"--num-attention-heads={args.num_attention_heads} is not divisible by "
+          f"--num-query-groups={args.num_query_groups}")
+
+
+def _check_layout(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _need(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
+    _need(world_size % (tp * pp) == 0,
+          f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
+          f"--pipeline-model-parallel-size={pp} = {tp * pp}")
+    args.data_parallel_size = world_size // (tp * pp)
+    _need(args.num_attention_heads % tp == 0,
+          f"--tensor-model-parallel-size={tp} does not divide "
+          f"--num-attention-heads={args.num_attention_heads}")
+    _need(args.num_query_groups % tp == 0,
+          f"--tensor-model-parallel-size={tp} does not divide query groups "
+          f"({args.num_query_groups})")
+    _need(args.num_layers % pp == 0,
+          f"--pipeline-model-parallel-size={pp} does not divide --num-layers={args.num_layers}")
+    args.virtual_pipeline_model_parallel_size = None
+    per_vp = args.num_layers_per_virtual_pipeline_stage
+    if per_vp is not None:
+        _need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
+              f"--pipeline-model-parallel-size > 1 (got {pp})")
+        per_stage = args.num_layers // pp
+        _need(per_vp > 0 and per_stage % per_vp == 0,
+              f"--num-layers-per-virtual-pipeline-stage={per_vp} does not divide the "
+              f"{per_stage} layers of each pipeline stage")
+        args.virtual_pipeline_model_parallel_size = per_stage // per_vp
+    if args.sequence_parallel:
+        _need(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.num_experts is not None:
+        _need(args.num_experts >= args.moe_router_topk >= 1,
+              f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts="
+              f"{args.num_experts}]")
+
+
+def _check_batch(args: argparse.Namespace) -> None:
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    _need(mbs >= 1, f"--micro-batch-size={mbs}: must be >= 1")
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    _need(gbs % (mbs * dp) == 0,
+          f"--global-batch-size={gbs} is not divisible by --micro-batch-size={mbs} x "
+          f"data-parallel size {dp} = {mbs * dp}")
+    if args.rampup_batch_size is not None:
+        start, incr, _ = args.rampup_batch_size
+        for name, value in (("start", start), ("increment", incr)):
+            _need(value % (mbs * dp) == 0,
+                  f"--rampup-batch-size {name}={value} is not divisible by micro x dp = "
+                  f"{mbs * dp}")
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        n_micro = gbs // (mbs * dp)
+        pp = args.pipeline_model_parallel_size
+        _need(n_micro % pp == 0,
+              f"interleaved schedule needs the number of microbatches ({n_micro}) to be a "
+              f"multiple of --pipeline-model-parallel-size={pp}")
+
+
+def _check_run(args: argparse.Namespace) -> None:
+    _need(args.train_iters is not None and args.train_iters >= 0,
+          f"--train-iters={args.train_iters}: required, must be >= 0")
+    _need(args.mock_data != bool(args.data_path),
+          "give exactly one of --mock-data and --data-path")
+    if args.mock_data:
+        _need(args.vocab_size is not None and args.vocab_size > 0,
+              "--mock-data needs --vocab-size > 0")
+    elif args.vocab_size is None:
+        args.vocab_size = BYTE_VOCAB_SIZE
+    args.padded_vocab_size = padded_vocab_size(
+        args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = max(args.train_iters, 1)
+    _need(args.lr_warmup_iters < max(args.lr_decay_iters, 1),
+          f"--lr-warmup-iters={args.lr_warmup_iters} must be < --lr-decay-iters="
+          f"{args.lr_decay_iters}")
+    _need(args.min_lr <= args.lr, f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    if args.save_interval is not None:
+        _need(args.save is not None, "--save-interval needs --save")
+        _need(args.save_interval > 0, f"--save-interval={args.save_interval}: must be > 0")
+    if args.eval_interval is not None:
+        _need(args.eval_interval > 0, f"--eval-interval={args.eval_interval}: must be > 0")
+    _need(args.log_interval > 0, f"--log-interval={args.log_interval}: must be > 0")
+    if args.recompute_granularity == "full":
+        _need(args.recompute_method is not None,
+              "--recompute-granularity full needs --recompute-method uniform|block")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary padded so each TP rank gets an equal slice (Megatron's rule)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Validate in place and fill derived fields (data_parallel_size, ...); returns args."""
+    _check_model(args)
+    _check_layout(args, world_size)
+    _check_batch(args)
+    _check_run(args)
+    args.world_size = world_size
+    return args
