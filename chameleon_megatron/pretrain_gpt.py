@@ -9,21 +9,23 @@ from __future__ import annotations
 import logging
 import sys
 
+from typing import TYPE_CHECKING
+
 from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.configurable import ConfigError
-from chameleon_megatron.megatron.platform import CpuPlatform
-from chameleon_megatron.training import distributed
 from chameleon_megatron.training.arguments import parse_args
-from chameleon_megatron.training.plugin import TrainerPlugin
-from chameleon_megatron.training.trainer import Trainer
+from chameleon_megatron.training.env import env_from_torchrun
 from chameleon_megatron.training.validate import validate_args
+
+if TYPE_CHECKING:
+    from chameleon_megatron.training.plugin import TrainerPlugin
 
 logger = logging.getLogger("chameleon_megatron.pretrain_gpt")
 
 
-def build_plugins(cfg: ChameleonConfig) -> list[TrainerPlugin]:
+def build_plugins(cfg: ChameleonConfig) -> list["TrainerPlugin"]:
     """The Chameleon subsystems this run enables, in the order their hooks nest."""
-    plugins: list[TrainerPlugin] = []
+    plugins: list["TrainerPlugin"] = []
     if cfg.swap.enabled:
         from chameleon_megatron.swap.plugin import SwapPlugin
 
@@ -33,13 +35,19 @@ def build_plugins(cfg: ChameleonConfig) -> list[TrainerPlugin]:
 
 def run(argv: list[str] | None = None) -> list[dict]:
     """Parse, validate, train; returns this rank's metrics records."""
+    # Heavy imports stay inside: checkpoint writers spawn helper processes that re-import
+    # the main module, and bad flags should fail before torch and megatron are loaded.
     args = parse_args(argv)
-    env = distributed.env_from_torchrun()
+    env = env_from_torchrun()
     try:
         validate_args(args, env.world_size)
         cfg = config_from_args(args)
     except ConfigError as exc:
         raise SystemExit(f"chameleon-pretrain-gpt: error: {exc}") from None
+    from chameleon_megatron.megatron.platform import CpuPlatform
+    from chameleon_megatron.training import distributed
+    from chameleon_megatron.training.trainer import Trainer
+
     platform = CpuPlatform()
     platform.apply()
     trainer = Trainer(args, cfg, build_plugins(cfg), env)

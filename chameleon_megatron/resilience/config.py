@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from chameleon_megatron.configurable import check
+from chameleon_megatron.configurable import ConfigError, check
+from chameleon_megatron.resilience.faults import parse_fault
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +26,29 @@ class ResilienceConfig:
         default=(), metadata={"flag": "--chameleon-inject-fault"}
     )
     """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer,kind=exit|hang|exception'."""
+    startup_timeout_s: float = 300.0
+    """Process-group and heartbeat timeout until a step time has been measured (start-up, model build, checkpoint I/O)."""
+    pg_timeout_factor: float = 5.0
+    """Process-group timeout = max(min_pg_timeout_s, this x the measured step time); heartbeat timeout = 2 x that."""
+    min_pg_timeout_s: float = 5.0
+    """Lower bound of the derived process-group timeout, in seconds."""
+    timing_steps: int = 3
+    """Steps measured (after the first, which is warm-up) before timeouts are derived from the step time."""
+    node_timeout_s: float = 30.0
+    """An agent (node) silent this long in the job store is declared lost with all its ranks."""
 
     def __post_init__(self) -> None:
         check(self.mtbf_prior_s > 0, "ft.mtbf_prior_s", self.mtbf_prior_s, "must be > 0")
+        check(self.startup_timeout_s > 0, "ft.startup_timeout_s", self.startup_timeout_s,
+              "must be > 0")
+        check(self.pg_timeout_factor >= 1, "ft.pg_timeout_factor", self.pg_timeout_factor,
+              "must be >= 1 (a timeout shorter than one step kills healthy ranks)")
+        check(self.min_pg_timeout_s > 0, "ft.min_pg_timeout_s", self.min_pg_timeout_s,
+              "must be > 0")
+        check(self.timing_steps >= 1, "ft.timing_steps", self.timing_steps, "must be >= 1")
+        check(self.node_timeout_s > 0, "ft.node_timeout_s", self.node_timeout_s, "must be > 0")
+        for text in self.inject_fault:
+            try:
+                parse_fault(text)
+            except ValueError as exc:
+                raise ConfigError(f"ft.inject_fault={text!r}: {exc}") from None

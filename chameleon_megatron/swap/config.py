@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -18,21 +17,49 @@ class SwapConfig:
     enabled: bool = False
     """Swap saved activations to host memory and back, following a profiled plan."""
     budget_bytes: int | None = None
-    """Device budget for resident saved activations, in bytes (overrides budget_fraction)."""
+    """Device budget for resident saved activations per rank, in bytes (overrides the fractions)."""
+    budget_bytes_per_stage: tuple[int, ...] = ()
+    """One budget in bytes per pipeline stage, first stage first (overrides budget_bytes)."""
     budget_fraction: float = 0.5
-    """Budget as a fraction of the no-swap peak of resident saved activations (0 < f <= 1)."""
+    """Budget as a fraction of the profiled no-swap peak of resident saved activations (0 < f <= 1)."""
+    budget_device_fraction: float | None = None
+    """Budget as a fraction of total device memory, minus what the rest of training holds (CUDA only)."""
     bandwidth_gbps: float | None = None
     """Host<->device copy bandwidth in GB/s (none: measured at start-up on GPU, 10 on CPU)."""
     min_tensor_bytes: int = 1 << 20
     """Saved tensors smaller than this are never swapped."""
+    granularity: Literal["layer", "microbatch"] = "layer"
+    """Profiling stage: forward/backward x microbatch x chunk, and x transformer layer for 'layer'."""
+    size_tolerance: float = 0.05
+    """Relative change of a stage's saved bytes (same operators) that counts as a changed sequence."""
+    plan_time_limit_s: float = 5.0
+    """Time limit of the policy generator's exact solver; past it the best plan found is used."""
+    host_cache_bytes: int = 8 << 30
+    """Free host buffers kept for reuse across steps (pinned on GPU), in bytes."""
+    oom_backoff: float = 0.8
+    """After an out-of-memory error the next plan's budget is multiplied by this (0 < f < 1)."""
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None:
             check(self.budget_bytes > 0, "swap.budget_bytes", self.budget_bytes, "must be > 0")
+        for b in self.budget_bytes_per_stage:
+            check(b > 0, "swap.budget_bytes_per_stage", self.budget_bytes_per_stage,
+                  "every budget must be > 0")
         check(0 < self.budget_fraction <= 1, "swap.budget_fraction", self.budget_fraction,
               "must be in (0, 1]")
+        if self.budget_device_fraction is not None:
+            check(0 < self.budget_device_fraction <= 1, "swap.budget_device_fraction",
+                  self.budget_device_fraction, "must be in (0, 1]")
         if self.bandwidth_gbps is not None:
             check(self.bandwidth_gbps > 0, "swap.bandwidth_gbps", self.bandwidth_gbps,
                   "must be > 0")
         check(self.min_tensor_bytes >= 0, "swap.min_tensor_bytes", self.min_tensor_bytes,
               "must be >= 0")
+        check(0 <= self.size_tolerance < 1, "swap.size_tolerance", self.size_tolerance,
+              "must be in [0, 1)")
+        check(self.plan_time_limit_s > 0, "swap.plan_time_limit_s", self.plan_time_limit_s,
+              "must be > 0")
+        check(self.host_cache_bytes >= 0, "swap.host_cache_bytes", self.host_cache_bytes,
+              "must be >= 0")
+        check(0 < self.oom_backoff < 1, "swap.oom_backoff", self.oom_backoff,
+              "must be in (0, 1)")

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +52,18 @@ def _rank_coords() -> tuple[int, int, int]:
             parallel_state.get_data_parallel_rank())
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _rng_object(layout: dict[str, int]) -> ShardedObject:
     shape = (layout["pp"], layout["tp"], layout["dp"])
-    return ShardedObject("rng_state", _rng_state(), shape, _rank_coords(), replica_id=0)
+    return ShardedObject("rng_state", rng_state(), shape, _rank_coords(), replica_id=0)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP wrapper (checkpoint keys carry no 'module.')."""
+    return getattr(chunk, "module", chunk)
 
 
 def _model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
 def _sharded_state(model, optimizer, *, is_loading: bool, with_optimizer: bool,
@@ -132,12 +122,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
                            rng_layout=_layout() if restore_rng else None)
     loaded = dist_checkpointing.load(state, path)
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(loaded[f"model{i}"])
+        _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(common["scheduler"])
     if restore_rng:
-        _set_rng_state(loaded["rng_state"])
+        set_rng_state(loaded["rng_state"])
     elif load_rng:
         logger.info("checkpoint layout %s differs from %s: RNG states re-seeded",
                     common.get("layout"), _layout())

@@ -108,5 +108,6 @@ def global_batch_size_at(args: argparse.Namespace, consumed: int) -> int:
         return args.global_batch_size
     start, incr, ramp_samples = args.rampup_batch_size
     steps = max((args.global_batch_size - start) // incr, 1)
-    per_increment = ramp_samples / steps
-    return min(start + int(consumed // per_increment) * incr, args.global_batch_size)
+    # One increment every ramp_samples / steps samples, in integers to avoid float edges.
+    done = consumed * steps // max(ramp_samples, 1)
+    return min(start + done * incr, args.global_batch_size)

@@ -10,28 +10,11 @@ import argparse
 import datetime
 import os
 import socket
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def env_from_torchrun() -> DistEnv:
-    return DistEnv(
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-    )
+from chameleon_megatron.training.env import DistEnv
 
 
 def free_port() -> int:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator, Literal
 
 import torch
+
+
+StepAction = Literal["redo", "stop"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +50,15 @@ class TrainerPlugin:
     def step_context(self, iteration: int, *, training: bool) -> ContextManager[None]:
         """Entered around one call of the forward-backward function (train or eval)."""
         return contextlib.nullcontext()
+
+    def on_step_failed(self, exc: BaseException, trainer: Any) -> StepAction | None:
+        """An iteration raised ``exc``: recover and say what the loop does next.
+
+        None: not this plugin's business (the next plugin is asked; if none answers, the
+        exception propagates). "redo": the trainer's state was restored to a consistent
+        step; run the next iteration. "stop": leave the loop quietly (a spare at job end).
+        """
+        return None
 
     def metrics(self) -> dict[str, Any]:
         """Fields merged into this iteration's metrics record (e.g. ``{"swap": {...}}``)."""

@@ -53,7 +53,16 @@ class StepResult:
     skipped: bool = False
 
 
-def _global_loss(reports: list[dict]) -> tuple[float | None, int]:
+@dataclass(frozen=True)
+class Applied:
+    """A training step whose optimizer update has been applied on this rank."""
+
+    reports: list[dict]
+    grad_norm: float | None
+    skipped: bool
+
+
+def global_loss(reports: list[dict]) -> tuple[float | None, int]:
     """Sum the last stage's reports and share them with every rank of the job."""
     totals = torch.zeros(2, dtype=torch.float64)
     owns_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -85,16 +94,15 @@ def run_schedule(model: list[torch.nn.Module], iterators: list[Iterator[dict]], 
 
 
 def train_step(model: list[torch.nn.Module], optimizer: Any, iterators: list[Iterator[dict]],
-               **schedule: Any) -> StepResult:
+               **schedule: Any) -> Applied:
+    """Forward, backward and optimizer update; the loss is summed up separately."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reports = run_schedule(model, iterators, forward_only=False, **schedule)
     ok, grad_norm, _ = optimizer.step()
-    loss, tokens = _global_loss(reports)
-    return StepResult(loss=loss, tokens=tokens,
-                      grad_norm=None if grad_norm is None else float(grad_norm),
-                      skipped=not ok)
+    return Applied(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm),
+                   skipped=not ok)
 
 
 @torch.no_grad()
@@ -107,5 +115,5 @@ def eval_step(model: list[torch.nn.Module], iterators: list[Iterator[dict]],
     finally:
         for chunk in model:
             chunk.train()
-    loss, tokens = _global_loss(reports)
+    loss, tokens = global_loss(reports)
     return StepResult(loss=loss, tokens=tokens)

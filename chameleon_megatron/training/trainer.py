@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import time
 from typing import Any
@@ -11,12 +12,16 @@ from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
 from chameleon_megatron.training import checkpoint, data, distributed, model as model_lib
+from chameleon_megatron.training.env import DistEnv, env_from_torchrun
 from chameleon_megatron.training.metrics import MetricsWriter, log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
-from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
-from chameleon_megatron.training.step import (
-    StepResult, configure_schedule, eval_step, train_step,
+from chameleon_megatron.training.plugin import (
+    StepAction, TrainContext, TrainerPlugin, plugins_step,
 )
+from chameleon_megatron.training.step import (
+    StepResult, configure_schedule, eval_step, global_loss, train_step,
+)
+from chameleon_megatron.training.validate import validate_args
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +31,11 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, cfg: ChameleonConfig,
                  plugins: list[TrainerPlugin] | None = None,
-                 env: distributed.DistEnv | None = None) -> None:
+                 env: DistEnv | None = None) -> None:
         self.args = args
         self.cfg = cfg
         self.plugins = list(plugins or [])
-        self.env = env or distributed.env_from_torchrun()
+        self.env = env or env_from_torchrun()
         self.iteration = 0
         self.consumed_samples = 0
         self.history: list[dict[str, Any]] = []
@@ -42,24 +47,58 @@ class Trainer:
         self.device = distributed.device_for(self.env)
         distributed.init_process_groups(args, self.env)
         distributed.seed_everything(args.seed)
+        self._build()
+        self.datasets = data.build_datasets(args)
+        if args.load:
+            self.load(args.load)
+        self._announce_model()
+        self.metrics.write({"event": "run", "world_size": self.env.world_size,
+                            "args": _jsonable_args(args)})
+
+    def _build(self) -> None:
+        """Model chunks, DDP, optimizer and LR schedule for the current parallel state."""
+        args = self.args
         self.config = model_lib.transformer_config(args)
         chunks = model_lib.build_model_chunks(args, self.config)
         self.model = model_lib.wrap_ddp(args, self.config, chunks)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
         configure_schedule(self.config, self.model, self.optimizer, args.overlap_grad_reduce)
-        self.datasets = data.build_datasets(args)
-        if args.load:
-            resumed = checkpoint.load_checkpoint(
-                args.load, self.model, self.optimizer, self.scheduler,
-                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
-            if resumed is not None:
-                self.iteration = resumed.iteration
-                self.consumed_samples = resumed.consumed_samples
+
+    def _announce_model(self) -> None:
         for plugin in self.plugins:
             plugin.on_model_built(self.context())
-        self.metrics.write({"event": "run", "world_size": self.env.world_size,
-                            "args": _jsonable_args(args)})
+
+    def load(self, path: str) -> bool:
+        """Load the latest checkpoint under ``path``; False when there is none."""
+        a = self.args
+        resumed = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                             load_optim=not a.no_load_optim,
+                                             load_rng=not a.no_load_rng)
+        if resumed is None:
+            return False
+        self.iteration = resumed.iteration
+        self.consumed_samples = resumed.consumed_samples
+        return True
+
+    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int) -> None:
+        """Rebuild model, DDP, optimizer and a fresh LR schedule for a new layout.
+
+        The caller has already built torch.distributed's and megatron's groups for it
+        (``chameleon_megatron.megatron.groups``); this neither creates groups nor re-seeds.
+        State (weights, optimizer, schedule step, data position) is the caller's to move in.
+        Raises ConfigError, before touching anything, if the layout does not fit the model.
+        """
+        args = copy.copy(self.args)
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+        validate_args(args, world_size)
+        self.args = args
+        # The first rank may have died: whoever is rank 0 now appends to the metrics file.
+        self.metrics.close()
+        self.metrics = MetricsWriter(self.cfg.metrics.file, enabled=rank == 0)
+        self.env = DistEnv(rank=rank, world_size=world_size, local_rank=self.env.local_rank)
+        self._build()
+        self._announce_model()
 
     def context(self) -> TrainContext:
         return TrainContext(
@@ -95,19 +134,26 @@ class Trainer:
                 "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size}
 
     def train_one(self) -> dict[str, Any]:
-        """Run the next iteration and return its metrics record."""
+        """Run the next iteration and return its metrics record.
+
+        ``iteration`` and ``consumed_samples`` advance as soon as the optimizer update is
+        applied, before the loss is summed across ranks, so they always describe the weights.
+        """
         gbs = data.global_batch_size_at(self.args, self.consumed_samples)
         schedule = self._schedule(gbs)
         iterators = self._iterators(self.datasets.train, self.consumed_samples,
                                     schedule["num_microbatches"])
         start = time.perf_counter()
         with plugins_step(self.plugins, self.iteration + 1, training=True):
-            result = train_step(self.model, self.optimizer, iterators, **schedule)
-        if not result.skipped:
+            applied = train_step(self.model, self.optimizer, iterators, **schedule)
+        if not applied.skipped:
             self.scheduler.step(increment=gbs)
-        step_time = time.perf_counter() - start
         self.iteration += 1
         self.consumed_samples += gbs
+        loss, tokens = global_loss(applied.reports)
+        step_time = time.perf_counter() - start
+        result = StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
+                            skipped=applied.skipped)
         return self._record(result, gbs, step_time)
 
     def _record(self, result: StepResult, gbs: int, step_time: float) -> dict[str, Any]:
@@ -140,33 +186,54 @@ class Trainer:
                 tokens += result.tokens
         rec = {"event": "eval", "iteration": self.iteration,
                "loss": total / tokens if tokens else None}
-        logger.info(" validation loss at iteration %d | lm loss: %.6E", self.iteration,
-                    rec["loss"] or float("nan"))
+        if self.env.rank == 0:
+            logger.info(" validation loss at iteration %d | lm loss: %.6E", self.iteration,
+                        rec["loss"] if rec["loss"] is not None else float("nan"))
         return rec
 
     # ----------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
+        while self.iteration < self.args.train_iters:
+            try:
+                rec = self.train_one()
+            except Exception as exc:
+                action = self._on_step_failed(exc)
+                if action == "redo":
+                    continue
+                if action == "stop":
+                    break
+                raise
+            self._after_iteration(rec)
         a = self.args
-        while self.iteration < a.train_iters:
-            rec = self.train_one()
-            self._emit(rec)
-            if self.env.rank == 0 and (rec["iteration"] % a.log_interval == 0
-                                       or rec["iteration"] == a.train_iters):
-                logger.info(log_line(rec, a.train_iters))
-            if a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0:
-                self._emit(self.evaluate())
-            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
-                self.save()
         if a.save and (not a.save_interval or self.iteration % a.save_interval):
             self.save()
         return self.history
+
+    def _after_iteration(self, rec: dict[str, Any]) -> None:
+        a = self.args
+        self.emit(rec)
+        if self.env.rank == 0 and (self.iteration % a.log_interval == 0
+                                   or self.iteration == a.train_iters):
+            logger.info(log_line(rec, a.train_iters))
+        if a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0:
+            self.emit(self.evaluate())
+        if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+            self.save()
 
     def save(self) -> None:
         checkpoint.save_checkpoint(self.args.save, self.model, self.optimizer, self.scheduler,
                                    iteration=self.iteration,
                                    consumed_samples=self.consumed_samples)
 
-    def _emit(self, rec: dict[str, Any]) -> None:
+    def _on_step_failed(self, exc: Exception) -> StepAction | None:
+        for plugin in self.plugins:
+            action = plugin.on_step_failed(exc, self)
+            if action is not None:
+                return action
+        return None
+
+    def emit(self, rec: dict[str, Any]) -> None:
+        """Keep a record in this rank's history and write it to the metrics file (rank 0)."""
         self.history.append(rec)
         self.metrics.write(rec)
 

@@ -1,0 +1,55 @@
+"""``chameleon simulate``: replay a failure trace (given, or drawn from an MTBF and a
+repair time) against Chameleon and the baselines; print JSON, optionally draw a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from chameleon_megatron.sim.config import STRATEGIES, load_preset
+from chameleon_megatron.sim.plotting import plot_throughput
+from chameleon_megatron.sim.simulator import simulate
+from chameleon_megatron.sim.traces import save_trace
+
+PRESETS = Path(__file__).resolve().parents[2] / "configs" / "sim"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="compare recovery strategies on a failure trace",
+                              description=__doc__)
+    p.add_argument("--preset", required=True,
+                   help=f"preset YAML, or the name of one in configs/sim ({PRESETS})")
+    p.add_argument("--mtbf-s", type=float, help="job MTBF at full size, s")
+    p.add_argument("--repair-s", type=float, help="mean repair time, s (0: never)")
+    p.add_argument("--horizon-s", type=float, help="simulated time, s")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--trace", help="trace JSON to replay instead of drawing one")
+    p.add_argument("--regroup-s", type=float, help="override the profile's regroup cost, s")
+    p.add_argument("--strategies", help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    p.add_argument("--save-trace", help="write the replayed trace as JSON")
+    p.add_argument("--plot", help="write throughput over time as PNG")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    preset = Path(args.preset)
+    if not preset.exists():
+        preset = PRESETS / f"{args.preset}.yaml"
+    config = load_preset(
+        preset, mtbf_s=args.mtbf_s, repair_s=args.repair_s, horizon_s=args.horizon_s,
+        seed=args.seed, trace=args.trace, regroup_s=args.regroup_s,
+        strategies=args.strategies.split(",") if args.strategies else None,
+    )
+    report, results = simulate(config)
+    if args.save_trace:
+        from chameleon_megatron.sim.simulator import setup
+        save_trace(setup(config).events, args.save_trace)
+    if args.plot:
+        plot_throughput(results, report["failure_free"]["throughput"], args.plot,
+                        title=f"{report['profile']} on {report['devices']} devices, "
+                              f"MTBF {config.mtbf_s / 3600:g} h")
+        report["plot"] = args.plot
+    print(json.dumps(report, indent=2))
+    return 0

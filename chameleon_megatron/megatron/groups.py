@@ -1,0 +1,96 @@
+"""The one place that builds and tears down process groups (torch.distributed and megatron's).
+
+Recovery rebuilds groups in-process: the old world (with a dead member) is destroyed, the
+survivors start a new one on a fresh prefix of the job store, and megatron's parallel state is
+rebuilt for the new layout. The recovery group, over all survivors including spares, carries
+state transfers and votes; it is built here too but kept out of torch.distributed's registry,
+so that megatron's world (active ranks only) is unaffected by it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+logger = logging.getLogger(__name__)
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    if seconds <= 0:
+        raise ValueError(f"process-group timeout={seconds} s: must be > 0")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_world(store: dist.Store, rank: int, world_size: int, *, backend: str,
+               timeout_s: float) -> None:
+    """torch.distributed's default group over ``world_size`` ranks meeting on ``store``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: must be in [0, {world_size})")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=_timedelta(timeout_s))
+
+
+def build_uniform(tp: int, pp: int, *, timeout_s: float, vpp: int | None = None) -> None:
+    """Megatron's parallel state for a uniform TP x PP x DP layout over the current world."""
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"layout tp={tp} x pp={pp}: must divide the world size {world}")
+    _timedelta(timeout_s)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=timeout_s / 60.0,  # megatron passes it to timedelta(minutes=)
+    )
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and the default group (safe with a dead peer)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_groups() -> list[dist.ProcessGroup]:
+    """Every registered group (the default one and megatron's)."""
+    if not dist.is_initialized():
+        return []
+    return list(dist.distributed_c10d._world.pg_map)  # no public listing exists
+
+
+def set_timeouts(timeout_s: float) -> int:
+    """Apply a new collective timeout to every registered group; returns how many."""
+    delta = _timedelta(timeout_s)
+    groups = all_groups()
+    for group in groups:
+        group.set_timeout(delta)
+    return len(groups)
+
+
+def abort_communicators() -> int:
+    """Abort every NCCL communicator, so that collectives blocked on a dead peer return with
+    an error (gloo offers no equivalent: there the group timeout bounds the wait). Returns
+    how many were aborted."""
+    aborted = 0
+    for group in all_groups():
+        if dist.get_backend(group) != "nccl":
+            continue
+        try:
+            group.abort()
+            aborted += 1
+        except RuntimeError as exc:  # already aborted by the watchdog
+            logger.warning("abort of %s failed: %s", group, exc)
+    return aborted
+
+
+def recovery_group(store: dist.Store, rank: int, size: int, *,
+                   timeout_s: float) -> dist.ProcessGroupGloo:
+    """A gloo group over all survivors, outside torch.distributed's registry (point-to-point
+    ``send``/``recv`` and ``allreduce`` on the object itself)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank={rank}: must be in [0, {size})")
+    return dist.ProcessGroupGloo(store, rank, size, _timedelta(timeout_s))

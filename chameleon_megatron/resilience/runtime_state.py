@@ -1,0 +1,86 @@
+"""Where training stands on each survivor, and the state every survivor resumes from.
+
+A failure can strike between the optimizer steps of different ranks: some replicas have
+applied step k, others (those that talked to the dead rank) have not. Each member publishes
+its run state in the generation's store; the job resumes at the newest step K any member
+completed, from members at K (the *fresh* ones). Members behind K are *stale*: their model
+state must not be used as a source, and they redo nothing on their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RunState:
+    """One rank's position in training."""
+
+    iteration: int
+    """Optimizer steps applied to this rank's model (-1: holds no model state, a spare)."""
+    consumed_samples: int
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    """The LR scheduler's ``state_dict()``."""
+    rng: dict[str, Any] = field(default_factory=dict)
+    """RNG states (CPU, CUDA, megatron's tensor-parallel tracker), opaque here."""
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                    "scheduler": self.scheduler, "rng": self.rng}, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RunState:
+        return cls(**torch.load(io.BytesIO(data), weights_only=False))
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The state the job resumes from."""
+
+    iteration: int
+    """Steps completed (the redone step is iteration + 1)."""
+    consumed_samples: int
+    scheduler: dict[str, Any]
+    fresh: tuple[int, ...]
+    """Members whose model state is at ``iteration`` (usable as transfer sources)."""
+    stale: tuple[int, ...]
+    """Members behind it (their model state is discarded)."""
+
+
+def agree(states: Mapping[int, RunState]) -> Agreed:
+    """The newest completed step and who holds it (pure)."""
+    if not states:
+        raise ValueError("no run state to agree on: no survivor")
+    newest = max(s.iteration for s in states.values())
+    if newest < 0:
+        raise ValueError("no survivor holds model state")
+    fresh = tuple(sorted(r for r, s in states.items() if s.iteration == newest))
+    ref = states[fresh[0]]
+    for r in fresh:
+        if states[r].consumed_samples != ref.consumed_samples:
+            raise ValueError(f"ranks {fresh[0]} and {r} are both at iteration {newest} but "
+                             f"consumed {ref.consumed_samples} vs {states[r].consumed_samples} "
+                             "samples")
+    return Agreed(iteration=newest, consumed_samples=ref.consumed_samples,
+                  scheduler=ref.scheduler, fresh=fresh,
+                  stale=tuple(sorted(r for r in states if r not in fresh)))
+
+
+def publish(store: dist.Store, rank: int, state: RunState) -> None:
+    """Write this member's run state (``store``: the generation's scope)."""
+    store.set(f"state/{rank}", state.to_bytes())
+
+
+def read_all(store: dist.Store, members: tuple[int, ...], timeout_s: float) -> dict[int, RunState]:
+    """Every member's run state (waits for each to be published)."""
+    keys = [f"state/{r}" for r in members]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return {r: RunState.from_bytes(store.get(k)) for r, k in zip(members, keys)}

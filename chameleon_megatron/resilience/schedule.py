@@ -1,0 +1,147 @@
+"""Step time of one pipeline: the longest path through the 1F1B dependency graph (Eq. 11).
+
+Each physical stage runs its operations in megatron's order (1F1B, or interleaved 1F1B
+with ``vpp`` model chunks); an operation starts when its stage is free and its input has
+arrived: a forward needs the previous virtual stage's forward of the same microbatch, a
+backward the next virtual stage's backward (the last virtual stage: its own forward).
+Crossing between physical stages costs one p2p ``hop``. With equal stage times and no hop
+this reduces to Eq. 9, (N_pp + N_m - 1)(t_f + t_b).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+Op = tuple[bool, int, int]
+"""(is_forward, virtual stage, microbatch)."""
+
+
+def stage_order(pp: int, vpp: int, m: int, s: int) -> list[Op]:
+    """Operations of physical stage ``s`` in megatron-core 0.16's execution order."""
+    if vpp == 1:
+        warmup = min(pp - s - 1, m)
+        table = [(j, 0) for j in range(m)]
+    else:
+        warmup = min((pp - s - 1) * 2 + (vpp - 1) * pp, m * vpp)
+        # microbatch groups of pp: every chunk of a group before the next group
+        table = [(j, c) for g in range(0, m, pp) for c in range(vpp)
+                 for j in range(g, min(g + pp, m))]
+    fwd = [(True, c * pp + s, j) for j, c in table]
+    bwd = [(False, (vpp - 1 - c) * pp + s, j) for j, c in table]
+    steady = len(table) - warmup
+    order = fwd[:warmup]
+    for i in range(steady):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[steady:]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The operations of one pipeline step in a dependency-respecting order, ready to be
+    timed for any stage durations (compile once per (pp, vpp, m), time many splits)."""
+
+    pp: int
+    vpp: int
+    stage: tuple[int, ...]
+    """Physical stage of each operation."""
+    duration: tuple[int, ...]
+    """Index into fwd + bwd (v for a forward of virtual stage v, nv + v for a backward)."""
+    needs: tuple[int, ...]
+    """Position of the operation whose output it needs, -1 for none."""
+    crosses: tuple[bool, ...]
+    """Whether that input comes from another physical stage (one p2p hop)."""
+
+    def time(self, fwd: Sequence[float], bwd: Sequence[float], hop: float) -> float:
+        """Longest path: each op starts when its stage is free and its input has arrived."""
+        nv = self.pp * self.vpp
+        if len(fwd) != nv or len(bwd) != nv:
+            raise ValueError(f"expected {nv} forward and backward times, got {len(fwd)}/{len(bwd)}")
+        dur = [*fwd, *bwd]
+        done = [0.0] * len(self.stage)
+        free = [0.0] * self.pp
+        for k, (s, d, need, cross) in enumerate(
+                zip(self.stage, self.duration, self.needs, self.crosses)):
+            ready = (done[need] + hop if cross else done[need]) if need >= 0 else 0.0
+            start = free[s] if free[s] > ready else ready
+            free[s] = done[k] = start + dur[d]
+        return max(free)
+
+
+def compile_schedule(pp: int, vpp: int, m: int) -> Schedule:
+    """Order the ops of every stage so that each comes after the op it needs."""
+    if pp < 1 or vpp < 1 or m < 1:
+        raise ValueError(f"pp={pp}, vpp={vpp}, m={m}: each must be >= 1")
+    nv = pp * vpp
+    orders = [stage_order(pp, vpp, m, s) for s in range(pp)]
+    placed = ([[-1] * m for _ in range(nv)], [[-1] * m for _ in range(nv)])  # backward, forward
+    stage: list[int] = []
+    duration: list[int] = []
+    needs: list[int] = []
+    crosses: list[bool] = []
+    pos = [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        before = remaining
+        for s in range(pp):
+            order = orders[s]
+            while pos[s] < len(order):
+                is_f, v, j = order[pos[s]]
+                if is_f:
+                    dep_f, dep_v = True, v - 1
+                else:
+                    dep_f, dep_v = (True, v) if v == nv - 1 else (False, v + 1)
+                need = placed[dep_f][dep_v][j] if dep_v >= 0 else -1
+                if dep_v >= 0 and need < 0:
+                    break
+                placed[is_f][v][j] = len(stage)
+                stage.append(s)
+                duration.append(v if is_f else nv + v)
+                needs.append(need)
+                crosses.append(dep_v >= 0 and dep_v % pp != s)
+                pos[s] += 1
+                remaining -= 1
+        if remaining == before:
+            raise RuntimeError("schedule deadlock: dependency order is inconsistent")
+    return Schedule(pp, vpp, tuple(stage), tuple(duration), tuple(needs), tuple(crosses))
+
+
+def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], m: int, hop: float,
+                  vpp: int = 1) -> float:
+    """Time from the first forward to the last backward of one step of one pipeline.
+
+    ``fwd[v]``/``bwd[v]``: time of one microbatch on virtual stage v (v = chunk * pp + s);
+    ``m`` microbatches; ``hop``: p2p time between physical stages.
+    """
+    if len(fwd) % vpp:
+        raise ValueError(f"{len(fwd)} virtual stage times are not a multiple of vpp={vpp}")
+    return compile_schedule(len(fwd) // vpp, vpp, m).time(fwd, bwd, hop)
+
+
+def pipeline_lower_bound(fwd: ArrayLike, bwd: ArrayLike, m: int, hop: float) -> np.ndarray:
+    """A lower bound on ``pipeline_time`` (vpp=1); exact for equal stages without hop (and
+    with hop when m - 1 is a multiple of the depth). ``fwd``/``bwd`` hold stage times on
+    their last axis, so many layer splits can be bounded at once.
+
+    Stage s runs 1F1B with w = min(d-s-1, m) warm-up forwards, so right after its backward
+    of microbatch j it runs the forward of j+w+1, whose backward returns only after a round
+    trip through stages s..d-1: C_s = sum_{s'>=s}(f+b) + 2(d-1-s) hop. Chaining these from
+    microbatch 0 (which arrives after A_s = sum_{s'<s} f + s hop), then the stage's
+    remaining work, then draining the last backward through the stages before it
+    (Z_s = sum_{s'<s} b + s hop), bounds the step; so does the stage's busy time m(f+b).
+    """
+    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    d = f.shape[-1]
+    s = np.arange(d)
+    w = np.minimum(d - s - 1, m)
+    q = (m - 1) // (w + 1)
+    back = m - 1 - q * (w + 1)
+    fwd_left = np.maximum(0, back - w)
+    c = f + b
+    tail = np.flip(np.cumsum(np.flip(c, -1), -1), -1)
+    chained = (q + 1) * (tail + 2 * (d - 1 - s) * hop) + back * b + fwd_left * f
+    ends = np.cumsum(c, -1) - c + 2 * s * hop  # A_s + Z_s
+    return (ends + np.maximum(chained, m * c)).max(-1)

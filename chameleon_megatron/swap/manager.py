@@ -1,0 +1,210 @@
+"""The swap life cycle of one rank: profile -> plan -> execute, re-profiling on change.
+
+Stage adjusting: a step runs the full profiler when there is no plan yet, when the
+previous step's lightweight signature differed from the one the plan was built from,
+and after an out-of-memory error; otherwise the lightweight profiler. A plan is built at
+the end of each full step and used from the next, so after a change in step s the new
+plan is in use in step s + 2. A full step keeps executing the old plan (matching is
+fuzzy) and the budget guard, so memory stays bounded while profiling.
+
+OOM (GPU): an out-of-memory error inside a step evicts every resident saved storage
+synchronously, lowers the next plan's budget by ``oom_backoff`` (never below what the
+profile says is achievable) and schedules a re-profile; the error is re-raised so the
+trainer can redo the step. Swap-ins that run out of memory evict and retry in the
+executor, so those steps complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from chameleon_megatron.swap.budget import BudgetSpec, resolve_budget
+from chameleon_megatron.swap.config import SwapConfig
+from chameleon_megatron.swap.cost import ProfilerCost
+from chameleon_megatron.swap.executor import StepCounters, SwapExecutor
+from chameleon_megatron.swap.matching import MatchIndex
+from chameleon_megatron.swap.policy import Plan, generate_plan, min_feasible_budget
+from chameleon_megatron.swap.profile import StepProfile
+from chameleon_megatron.swap.signature import StepSignature, changed_stages
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunTotals:
+    """Accumulated over the run for the end-of-run summary."""
+
+    steps: int = 0
+    full_steps: int = 0
+    plans: int = 0
+    changes: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    peak_resident_saved_bytes: int = 0
+    peak_saved_bytes: int = 0
+    matched: int = 0
+    planned: int = 0
+    blocking_swapins: int = 0
+    forced_swaps: int = 0
+    ooms: int = 0
+    profiler_s: float = 0.0
+    plan_s: float = 0.0
+
+
+class SwapManager:
+    """Drives one executor through the steps of a run."""
+
+    def __init__(self, config: SwapConfig, executor: SwapExecutor, *, budget: BudgetSpec,
+                 bandwidth_bps: float, cost: ProfilerCost, rank: int = 0) -> None:
+        self.config = config
+        self.executor = executor
+        self.budget = budget
+        self.bandwidth_bps = bandwidth_bps
+        self.cost = cost
+        self.rank = rank
+        self.plan: Plan | None = None
+        self.plan_version = 0
+        self.reference: StepSignature | None = None
+        """Signature of the step the plan was built from."""
+        self.previous: StepSignature | None = None
+        """Signature of the previous training step."""
+        self.reprofile = True
+        self.oom_factor = 1.0
+        self.last_profile: StepProfile | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.totals = RunTotals()
+
+    @contextlib.contextmanager
+    def step(self, iteration: int) -> Iterator[None]:
+        """Context around one training step's forward-backward."""
+        full = self.reprofile
+        ex = self.executor
+        ex.begin_step(profile="full" if full else "light")
+        ex.budget = self._guard_budget()
+        on_gpu = torch.cuda.is_available()
+        ex.tracker.sync = torch.cuda.synchronize if full and on_gpu else None
+        try:
+            with ex.hooks():
+                yield
+        except torch.OutOfMemoryError:
+            self._on_oom(iteration)
+            raise
+        finally:
+            counters = ex.end_step()
+            ex.tracker.sync = None
+        self._finish(iteration, full, counters)
+
+    def _guard_budget(self) -> int | None:
+        if self.plan is not None:
+            return self.plan.budget_bytes
+        if self.budget.absolute_bytes is not None:
+            return max(int(self.budget.absolute_bytes * self.oom_factor), 1)
+        return None
+
+    def _finish(self, iteration: int, full: bool, counters: StepCounters) -> None:
+        ex = self.executor
+        start = time.perf_counter()
+        signature = ex.tracker.signature()
+        tolerance = self.config.size_tolerance
+        # Reported: a change since the previous step. Acted on: a change since the plan's step.
+        changed = () if self.previous is None else changed_stages(
+            self.previous, signature, tolerance)
+        stale = self.reference is not None and bool(changed_stages(
+            self.reference, signature, tolerance))
+        self.previous = signature
+        profile = ex.recorder.finish(ex.tracker.segments, ex.op_names, signature) if full else None
+        profiler_s = time.perf_counter() - start + counters.packs * (
+            self.cost.full_s if full else self.cost.light_s)
+        used = (self.plan, self.plan_version)
+        plan_s = 0.0
+        if profile is not None:
+            start = time.perf_counter()
+            self._adopt(profile, iteration, reason="change" if changed else "initial")
+            plan_s = time.perf_counter() - start
+        elif stale:
+            self.reprofile = True
+        if changed:
+            logger.info("swap change %s", {"rank": self.rank, "iteration": iteration,
+                                            "stages": len(changed), "first": changed[0]})
+        self.last_metrics = self._metrics(used, full, counters, bool(changed), profiler_s, plan_s)
+        self._accumulate(counters, full, bool(changed), profiler_s, plan_s, used[0])
+
+    def _adopt(self, profile: StepProfile, iteration: int, reason: str) -> None:
+        cfg = self.config
+        budget = resolve_budget(self.budget, profile, oom_factor=self.oom_factor)
+        if self.oom_factor < 1.0:
+            budget = max(budget, min_feasible_budget(profile, cfg.min_tensor_bytes))
+        plan = generate_plan(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
+                             min_bytes=cfg.min_tensor_bytes, time_limit_s=cfg.plan_time_limit_s)
+        self.executor.set_plan(plan, MatchIndex(profile.records))
+        self.plan, self.last_profile = plan, profile
+        self.plan_version += 1
+        self.reference = profile.signature
+        self.reprofile = False
+        record = {"rank": self.rank, "iteration": iteration, "reason": reason,
+                  "version": self.plan_version, "budget_bytes": plan.budget_bytes,
+                  "no_swap_peak_bytes": plan.no_swap_peak_bytes,
+                  "planned_peak_bytes": plan.planned_peak_bytes,
+                  "planned_out_bytes": plan.planned_out_bytes, "tensors": len(plan.decisions),
+                  "expected_stall_s": plan.expected_stall_s, "optimal": plan.optimal}
+        (logger.warning if plan.expected_stall_s > 0 else logger.info)("swap plan %s", record)
+
+    def _on_oom(self, iteration: int) -> None:
+        freed = self.executor.evict(1 << 62)
+        self.oom_factor *= self.config.oom_backoff
+        self.reprofile = True
+        self.totals.ooms += 1
+        logger.warning("swap oom %s", {"rank": self.rank, "iteration": iteration,
+                                       "evicted_bytes": freed, "budget_factor": self.oom_factor})
+
+    def _metrics(self, used: tuple[Plan | None, int], full: bool, c: StepCounters,
+                 changed: bool, profiler_s: float, plan_s: float) -> dict[str, Any]:
+        plan, version = used
+        return {
+            "mode": "full" if full else "light",
+            "plan_version": version,
+            "budget_bytes": self.executor.budget,
+            "planned_out_bytes": plan.planned_out_bytes if plan else 0,
+            "planned_tensors": len(plan.decisions) if plan else 0,
+            "expected_stall_s": plan.expected_stall_s if plan else 0.0,
+            "swapped_out_bytes": c.swapped_out_bytes,
+            "swapped_in_bytes": c.swapped_in_bytes,
+            "peak_resident_saved_bytes": c.peak_resident_saved_bytes,
+            "peak_saved_bytes": c.peak_saved_bytes,
+            "matched": c.matched,
+            "unmatched": c.unmatched,
+            "prefetches": c.prefetches,
+            "blocking_swapins": c.blocking_swapins,
+            "forced_swaps": c.forced_swaps,
+            "budget_waits": c.budget_waits,
+            "oom_evictions": c.oom_evictions,
+            "sequence_changed": changed,
+            "profiler_s": profiler_s,
+            "plan_s": plan_s,
+            "live_entries": self.executor.live_entries,
+            "host_buffers_live": self.executor.pool.live,
+        }
+
+    def _accumulate(self, c: StepCounters, full: bool, changed: bool, profiler_s: float,
+                    plan_s: float, plan: Plan | None) -> None:
+        t = self.totals
+        t.steps += 1
+        t.full_steps += full
+        t.plans = self.plan_version
+        t.changes += changed
+        t.swapped_out_bytes += c.swapped_out_bytes
+        t.swapped_in_bytes += c.swapped_in_bytes
+        t.peak_resident_saved_bytes = max(t.peak_resident_saved_bytes, c.peak_resident_saved_bytes)
+        t.peak_saved_bytes = max(t.peak_saved_bytes, c.peak_saved_bytes)
+        t.matched += c.matched
+        t.planned += len(plan.decisions) if plan else 0
+        t.blocking_swapins += c.blocking_swapins
+        t.forced_swaps += c.forced_swaps
+        t.profiler_s += profiler_s
+        t.plan_s += plan_s

@@ -1,0 +1,103 @@
+"""``SwapPlugin``: the swap subsystem as a trainer plugin (and for the Megatron-LM hook).
+
+    plugins.append(SwapPlugin(cfg.swap))   # when cfg.swap.enabled
+
+``on_model_built`` builds tracker, executor and manager for this rank and installs the
+megatron seams; ``step_context`` runs one training step under the manager (evaluation
+saves no tensors and is left alone); ``metrics`` returns ``{"swap": {...}}``;
+``on_train_end`` logs the per-rank summary and removes the seams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, ContextManager
+
+import torch
+
+from chameleon_megatron.configurable import check
+from chameleon_megatron.megatron.swap_seams import SwapSeams
+from chameleon_megatron.swap.budget import BudgetSpec
+from chameleon_megatron.swap.config import SwapConfig
+from chameleon_megatron.swap.copier import copier_for, measure_bandwidth
+from chameleon_megatron.swap.cost import calibrate
+from chameleon_megatron.swap.executor import SwapExecutor
+from chameleon_megatron.swap.hostpool import HostPool
+from chameleon_megatron.swap.manager import SwapManager
+from chameleon_megatron.swap.stage import StageTracker
+from chameleon_megatron.swap.summary import summary_table
+from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin
+
+logger = logging.getLogger(__name__)
+
+CPU_BANDWIDTH_BPS = 10e9
+"""Assumed copy bandwidth without a GPU (the CPU executor copies synchronously)."""
+
+
+def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int,
+                device: torch.device) -> BudgetSpec:
+    """This rank's budget from the config (ValueError on a bad combination)."""
+    per_stage = config.budget_bytes_per_stage
+    if per_stage:
+        check(len(per_stage) == pp_size, "swap.budget_bytes_per_stage", per_stage,
+              f"needs one budget per pipeline stage ({pp_size})")
+        return BudgetSpec(absolute_bytes=per_stage[pp_rank])
+    if config.budget_bytes is not None:
+        return BudgetSpec(absolute_bytes=config.budget_bytes)
+    if config.budget_device_fraction is not None:
+        check(device.type == "cuda", "swap.budget_device_fraction",
+              config.budget_device_fraction, f"needs a CUDA device (this rank runs on {device})")
+        total = torch.cuda.get_device_properties(device).total_memory
+        return BudgetSpec(device_fraction=config.budget_device_fraction,
+                          device_total_bytes=total)
+    return BudgetSpec(fraction=config.budget_fraction)
+
+
+class SwapPlugin(TrainerPlugin):
+    def __init__(self, config: SwapConfig) -> None:
+        self.config = config
+        self.manager: SwapManager | None = None
+        self.seams: SwapSeams | None = None
+        self.rank = 0
+
+    def on_model_built(self, ctx: TrainContext) -> None:
+        cfg, device = self.config, ctx.device
+        spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device)
+        if cfg.bandwidth_gbps is not None:
+            bandwidth = cfg.bandwidth_gbps * 1e9
+        else:
+            bandwidth = measure_bandwidth(device) if device.type == "cuda" else CPU_BANDWIDTH_BPS
+        tracker = StageTracker(layers=cfg.granularity == "layer")
+        # DDP wrappers shadow Module.buffers with a list attribute: call the method itself.
+        held = [t for chunk in ctx.model
+                for t in (*chunk.parameters(), *torch.nn.Module.buffers(chunk))]
+        executor = SwapExecutor(tracker, copier=copier_for(device),
+                                pool=HostPool(pin=device.type == "cuda",
+                                              cache_bytes=cfg.host_cache_bytes),
+                                min_bytes=cfg.min_tensor_bytes, exclude=held)
+        self.rank = ctx.rank
+        self.manager = SwapManager(cfg, executor, budget=spec, bandwidth_bps=bandwidth,
+                                   cost=calibrate(), rank=ctx.rank)
+        self.seams = SwapSeams(tracker, ctx.model)
+        self.seams.install()
+        logger.info("swap ready %s", {"rank": ctx.rank, "pp_rank": ctx.pp_rank,
+                                      "bandwidth_gbps": bandwidth / 1e9, "budget": spec})
+
+    def step_context(self, iteration: int, *, training: bool) -> ContextManager[None]:
+        if not training or self.manager is None:
+            return contextlib.nullcontext()
+        return self.manager.step(iteration)
+
+    def metrics(self) -> dict[str, Any]:
+        if self.manager is None or not self.manager.last_metrics:
+            return {}
+        return {"swap": dict(self.manager.last_metrics)}
+
+    def on_train_end(self) -> None:
+        if self.seams is not None:
+            self.seams.remove()
+        if self.manager is not None:
+            logger.info("swap summary (rank %d)\n%s", self.rank,
+                        summary_table([(self.rank, self.manager.totals)]))
+            self.manager.executor.pool.clear()

@@ -1,0 +1,78 @@
+"""Lightweight-mode profiler: a per-stage signature of the saved-tensor operator sequence.
+
+Each stage keeps the number of saved tensors, their bytes and a rolling hash of the
+sequence of (producing operator, dtype) codes. Comparing two steps' signatures is a pure
+function: a stage whose count or operator hash differs has changed, even when it has the
+same number of operators in a different order or with different operators; a stage whose
+bytes moved by more than a relative tolerance has changed size (sequence length). MoE
+routing moves bytes between experts but keeps a layer's total, so it does not count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+StageKey = tuple[str, int, int, int]
+"""(phase 'F' or 'B', microbatch, model chunk, transformer layer number or -1 outside layers)."""
+
+_PRIME = 1_000_003
+_MASK = (1 << 61) - 1
+
+
+class StageStats:
+    """Mutable accumulator of one stage in the current step (the hot path updates it)."""
+
+    __slots__ = ("key", "count", "nbytes", "digest", "last", "occurrences")
+
+    def __init__(self, key: StageKey) -> None:
+        self.key = key
+        self.count = 0
+        self.nbytes = 0
+        self.digest = 0
+        self.last = 0  # the previous two operator codes, packed, for matching
+        self.occurrences: dict[tuple[int, int], int] = {}
+
+    def add(self, code: int, nbytes: int) -> None:
+        """Account one saved tensor produced by operator ``code`` (called per pack)."""
+        self.count += 1
+        self.nbytes += nbytes
+        self.digest = (self.digest * _PRIME + code) & _MASK
+        self.last = ((self.last << 16) | code) & 0xFFFFFFFF
+
+    def freeze(self) -> StageSignature:
+        return StageSignature(count=self.count, nbytes=self.nbytes, digest=self.digest)
+
+
+@dataclass(frozen=True)
+class StageSignature:
+    count: int
+    """Saved tensors packed in the stage."""
+    nbytes: int
+    """Their storage bytes."""
+    digest: int
+    """Rolling hash of the ordered (operator, dtype) codes."""
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    stages: Mapping[StageKey, StageSignature]
+
+    @staticmethod
+    def of(stats: Mapping[StageKey, StageStats]) -> StepSignature:
+        return StepSignature(MappingProxyType({k: s.freeze() for k, s in stats.items()}))
+
+
+def changed_stages(reference: StepSignature, current: StepSignature,
+                   size_tolerance: float) -> tuple[StageKey, ...]:
+    """Stages whose operator sequence or size differs between two steps (sorted)."""
+    keys = set(reference.stages) | set(current.stages)
+    changed = []
+    for key in keys:
+        ref, cur = reference.stages.get(key), current.stages.get(key)
+        if ref is None or cur is None or ref.count != cur.count or ref.digest != cur.digest:
+            changed.append(key)
+        elif abs(cur.nbytes - ref.nbytes) > size_tolerance * ref.nbytes:
+            changed.append(key)
+    return tuple(sorted(changed))

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Add (or remove) Chameleon's hook in a Megatron-LM checkout's ``pretrain_gpt.py``.
+
+The change is one marked block inserted as the first lines of the ``__main__`` block (before
+anything there parses arguments, as Megatron-LM's in-process-restart wrapper does); it
+rebinds ``pretrain`` to ``chameleon_megatron.megatron.megatron_lm.wrap_pretrain(pretrain)``,
+which adds the ``--chameleon-*`` flags to every argument parse and installs Chameleon's
+plugins for the ``pretrain(...)`` call. No existing line is edited, so removing the block
+restores the file byte for byte.
+
+    python patches/apply.py apply  /path/to/Megatron-LM   # idempotent
+    python patches/apply.py remove /path/to/Megatron-LM   # reversible
+    python patches/apply.py status /path/to/Megatron-LM
+    python patches/apply.py diff   /path/to/Megatron-LM   # show, change nothing
+
+Standard library only: it runs with any Python 3.9+, before chameleon_megatron is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+
+SCRIPT = "pretrain_gpt.py"
+VERSION_FILE = "megatron/core/package_info.py"
+# Megatron-LM (major, minor) releases whose pretrain_gpt.py and megatron/training seams
+# (setup_model_and_optimizer, train_step, get_forward_backward_func) were checked:
+# core_v0.16.0, core_v0.16.1 (tested end to end) and core_v0.17.1.
+SUPPORTED = ((0, 16), (0, 17))
+
+BEGIN = "# >>> chameleon-megatron (patches/apply.py) >>>"
+END = "# <<< chameleon-megatron <<<"
+BLOCK = (
+    BEGIN,
+    "from chameleon_megatron.megatron.megatron_lm import wrap_pretrain as _chameleon_wrap",
+    "pretrain = _chameleon_wrap(pretrain)",
+    END,
+)
+MAIN_GUARD = re.compile(r"""^if __name__ == ["']__main__["']:\s*$""")
+CALL = re.compile(r"^[ \t]+pretrain\(\s*$")
+
+
+class PatchError(Exception):
+    """The checkout cannot be patched; the message says why and what was expected."""
+
+
+def megatron_version(checkout: Path) -> tuple[int, int, int]:
+    """(major, minor, patch) read from the checkout's package_info.py, without importing it."""
+    path = checkout / VERSION_FILE
+    if not path.is_file():
+        raise PatchError(f"{checkout}: no {VERSION_FILE}; is this a Megatron-LM checkout?")
+    text = path.read_text()
+    parts = []
+    for name in ("MAJOR", "MINOR", "PATCH"):
+        match = re.search(rf"^{name}\s*=\s*(\d+)", text, re.MULTILINE)
+        if match is None:
+            raise PatchError(f"{path}: no '{name} = <int>' line; unknown Megatron-LM layout")
+        parts.append(int(match.group(1)))
+    return parts[0], parts[1], parts[2]
+
+
+def check_version(version: tuple[int, int, int]) -> None:
+    if version[:2] not in SUPPORTED:
+        known = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
+        raise PatchError(
+            f"Megatron-LM {'.'.join(map(str, version))} is not supported (supported: {known}); "
+            "its pretrain_gpt.py or training loop may differ from what the hook expects"
+        )
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def _newline(text: str) -> str:
+    return "\r\n" if "\r\n" in text else "\n"
+
+
+def _block_span(lines: list[str]) -> tuple[int, int] | None:
+    """[start, end) of the inserted block, or None when the file is not patched."""
+    starts = [i for i, line in enumerate(lines) if line.strip() == BEGIN]
+    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    if not starts and not ends:
+        return None
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise PatchError(
+            f"found {len(starts)} begin and {len(ends)} end markers of the chameleon block; "
+            "expected one of each in order: fix the file by hand or restore it from git"
+        )
+    return starts[0], ends[0] + 1
+
+
+def _insertion_point(lines: list[str]) -> tuple[int, str]:
+    """Index of the first line of the __main__ block and its indentation, once the layout is
+    known: one __main__ guard and, after it, one ``pretrain(`` call (the name we rebind)."""
+    guard = [i for i, line in enumerate(lines) if MAIN_GUARD.match(line)]
+    if len(guard) != 1:
+        raise PatchError(f"expected one 'if __name__ == \"__main__\":' line, found {len(guard)}")
+    body = guard[0] + 1
+    calls = [line for line in lines[body:] if CALL.match(line)]
+    if len(calls) != 1:
+        raise PatchError(
+            f"expected one line 'pretrain(' in the __main__ block of {SCRIPT}, found {len(calls)}; "
+            "unknown Megatron-LM layout"
+        )
+    first = next(line for line in lines[body:] if line.strip())
+    return body, first[: len(first) - len(first.lstrip())]
+
+
+def unpatched(text: str) -> str:
+    """``text`` without the chameleon block (unchanged when it has none)."""
+    lines = _lines(text)
+    span = _block_span(lines)
+    if span is None:
+        return text
+    return "".join(lines[:span[0]] + lines[span[1]:])
+
+
+def patched(text: str) -> str:
+    """``text`` with the current chameleon block at the top of the __main__ block."""
+    lines = _lines(unpatched(text))
+    index, indent = _insertion_point(lines)
+    newline = _newline(text)
+    block = [f"{indent}{line}{newline}" for line in BLOCK]
+    return "".join(lines[:index] + block + lines[index:])
+
+
+def _script(checkout: Path) -> Path:
+    path = checkout / SCRIPT
+    if not path.is_file():
+        raise PatchError(f"{checkout}: no {SCRIPT}; is this a Megatron-LM checkout?")
+    return path
+
+
+def _read(path: Path) -> str:
+    with path.open(newline="") as f:  # keep \r\n as is
+        return f.read()
+
+
+def _write(path: Path, text: str) -> None:
+    with path.open("w", newline="") as f:
+        f.write(text)
+
+
+def apply(checkout: Path) -> bool:
+    """Insert (or refresh) the block; True when the file changed."""
+    check_version(megatron_version(checkout))
+    path = _script(checkout)
+    old = _read(path)
+    new = patched(old)
+    if new != old:
+        _write(path, new)
+    return new != old
+
+
+def remove(checkout: Path) -> bool:
+    """Delete the block (any Megatron-LM version); True when the file changed."""
+    path = _script(checkout)
+    old = _read(path)
+    new = unpatched(old)
+    if new != old:
+        _write(path, new)
+    return new != old
+
+
+def status(checkout: Path) -> str:
+    """'patched', 'outdated' (an older block) or 'unpatched'."""
+    text = _read(_script(checkout))
+    if _block_span(_lines(text)) is None:
+        return "unpatched"
+    return "patched" if patched(text) == text else "outdated"
+
+
+def diff(checkout: Path) -> str:
+    """Unified diff that ``apply`` would make."""
+    check_version(megatron_version(checkout))
+    old = _read(_script(checkout))
+    return "".join(difflib.unified_diff(
+        _lines(old), _lines(patched(old)), f"a/{SCRIPT}", f"b/{SCRIPT}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("apply", "remove", "status", "diff"))
+    parser.add_argument("checkout", type=Path, help="root of the Megatron-LM checkout")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "apply":
+            changed = apply(args.checkout)
+            print(f"{args.checkout / SCRIPT}: {'patched' if changed else 'already patched'}")
+        elif args.action == "remove":
+            changed = remove(args.checkout)
+            print(f"{args.checkout / SCRIPT}: {'restored' if changed else 'was not patched'}")
+        elif args.action == "status":
+            print(status(args.checkout))
+        else:
+            sys.stdout.write(diff(args.checkout))
+    except PatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Profiler cost per step: none vs lightweight vs full mode, against no profiler, one run.
+
+Two measurements of the same GPT-like model (plain torch, CPU):
+
+1. End to end: training steps (microbatched forward + backward) in four set-ups,
+   interleaved round by round: no hooks, the executor's hooks with the profiler off,
+   lightweight mode, full mode (plus building its profile). Median step time of each.
+2. Hook replay: the tensors one microbatch saves are captured once, then packed, unpacked
+   and released through the executor in each mode many times (with the end-of-step work
+   of that mode: signature comparison, or building the full profile). This isolates the
+   profiler's own cost from the step-to-step noise of a shared host.
+
+The profiler's cost is each mode minus "profiler off"; the lightweight target is <= 2 % of
+the step time and >= 84.25 % below full mode (the paper's figure).
+
+    python scripts/bench_swap_profiler.py [--layers 8 --hidden 256 --seq 256 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chameleon_megatron.swap.copier import SyncCopier
+from chameleon_megatron.swap.executor import SwapExecutor
+from chameleon_megatron.swap.hostpool import HostPool
+from chameleon_megatron.swap.signature import changed_stages
+from chameleon_megatron.swap.stage import LayerHooks, StageTracker
+
+MODES = ("none", "off", "light", "full")
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm1(x)).split(h, dim=-1))
+        att = F.dropout(((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).softmax(-1), 0.1)
+        x = x + self.out((att @ v).transpose(1, 2).reshape(b, s, h))
+        return x + self.down(F.dropout(F.gelu(self.up(self.norm2(x))), 0.1))
+
+
+class Model(nn.Module):
+    def __init__(self, vocab: int, hidden: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Layer(hidden, heads) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def step(model: Model, batch: list[torch.Tensor], tracker: StageTracker | None) -> None:
+    for i, tokens in enumerate(batch):
+        with tracker.forward(i) if tracker else contextlib.nullcontext():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        with tracker.backward(i) if tracker else contextlib.nullcontext():
+            loss.backward()
+
+
+def end_of_step(ex: SwapExecutor, mode: str, reference) -> object:
+    """What the manager does for the profiler at a step's end in this mode."""
+    tracker = ex.tracker
+    signature = tracker.signature()
+    if mode == "full":
+        ex.recorder.finish(tracker.segments, ex.op_names, signature)
+    if reference is not None:
+        changed_stages(reference, signature, 0.05)
+    return signature
+
+
+def end_to_end(model: Model, batch: list[torch.Tensor], ex: SwapExecutor,
+               rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    reference = None
+    for _ in range(rounds):
+        for mode in MODES:
+            start = time.perf_counter()
+            if mode == "none":
+                step(model, batch, None)
+            else:
+                ex.begin_step(profile=mode)
+                with ex.hooks():
+                    step(model, batch, ex.tracker)
+                reference = end_of_step(ex, mode, reference)
+            times[mode].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def replay(model: Model, tokens: torch.Tensor, ex: SwapExecutor, reps: int) -> dict[str, float]:
+    """Seconds per saved tensor of the hook path in each mode (best of ``reps``)."""
+    saved: list[tuple[torch.Tensor, int]] = []
+    layer = [-1]
+    hooks = [lyr.register_forward_pre_hook(lambda _m, _a, n=n: layer.__setitem__(0, n))
+             for n, lyr in enumerate(model.layers)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t, layer[0])) or t,
+                                                  lambda t: t):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    for h in hooks:
+        h.remove()
+    del loss
+    out = {}
+    reference = None
+    for mode in ("off", "light", "full"):
+        best = float("inf")
+        for _ in range(reps):
+            ex.begin_step(profile=mode)
+            start = time.perf_counter()
+            with ex.tracker.forward(0):
+                handles = []
+                for t, n in saved:
+                    if n != ex.tracker.current.key[3]:
+                        ex.tracker.enter_layer(n)
+                    handles.append(ex._pack(t))
+            with ex.tracker.backward(0):
+                for h in reversed(handles):
+                    ex._unpack(h)
+                del handles, h
+            reference = end_of_step(ex, mode, reference)
+            best = min(best, time.perf_counter() - start)
+        out[mode] = best / len(saved)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = Model(512, a.hidden, a.heads, a.layers)
+    batch = [torch.randint(0, 512, (a.micro_batch, a.seq + 1)) for _ in range(a.microbatches)]
+    tracker = StageTracker()
+    LayerHooks(tracker, ((lyr, n + 1) for n, lyr in enumerate(model.layers)))
+    ex = SwapExecutor(tracker, copier=SyncCopier(), pool=HostPool(pin=False, cache_bytes=0),
+                      min_bytes=1 << 62, exclude=list(model.parameters()))
+    step(model, batch, None)  # warm-up
+    model.zero_grad(set_to_none=True)
+    ex.begin_step(profile="light")
+    with ex.hooks():
+        step(model, batch, tracker)
+    packs = ex.counters.packs
+    e2e = end_to_end(model, batch, ex, a.rounds)
+    per_tensor = replay(model, batch[0], ex, a.replays)
+
+    base = e2e["none"]
+    print(f"model: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro batch "
+          f"{a.micro_batch}, {a.microbatches} microbatches; {packs} saved tensors per step; "
+          f"{a.threads} threads")
+    print(f"end to end, median of {a.rounds} interleaved rounds (s/step):")
+    for m in MODES:
+        print(f"  {m:5s} {e2e[m]:.4f}  ({100 * (e2e[m] / base - 1):+.2f} % vs no hooks)")
+    print("hook replay (us per saved tensor, best of "
+          f"{a.replays}): " + ", ".join(f"{m} {1e6 * v:.2f}" for m, v in per_tensor.items()))
+    light = (per_tensor["light"] - per_tensor["off"]) * packs
+    full = (per_tensor["full"] - per_tensor["off"]) * packs
+    print(f"profiler cost per step (replay x {packs} tensors): lightweight {1e3 * light:.3f} ms "
+          f"= {100 * light / base:.3f} % of the step; full {1e3 * full:.3f} ms "
+          f"= {100 * full / base:.3f} %")
+    print(f"lightweight is {100 * (1 - light / full):.2f} % below full "
+          "(targets: <= 2 % of the step, >= 84.25 % below full)")
+    e2e_light, e2e_full = e2e["light"] - e2e["off"], e2e["full"] - e2e["off"]
+    print(f"end-to-end differences vs profiler off: lightweight {1e3 * e2e_light:+.2f} ms "
+          f"({100 * e2e_light / base:+.2f} %), full {1e3 * e2e_full:+.2f} ms "
+          f"({100 * e2e_full / base:+.2f} %)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment in .venv with the CPU build of torch.
+# Reinstalls only when setup.cfg changed since the last run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.chameleon-setup
+want=$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    # Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+    .venv/bin/python -m pip install -q -e ".[test]"
+    echo "$want" > "$stamp"
+fi

@@ -1,0 +1,149 @@
+"""Manager life cycle on plain torch: detection, re-planning, dynamic workloads, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from chameleon_megatron.swap.config import SwapConfig
+from chameleon_megatron.swap.policy import BudgetError
+
+from toy import ToyGPT, batches, make_manager, run_step
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def _drive(model, schedule, cfg, *, ref_model_state=None):
+    """Run ``schedule`` (per step: list of microbatches) with and without swap."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = [run_step(model, micro, None, seed=s) for s, micro in enumerate(schedule)]
+    model.load_state_dict(state)
+    mgr = make_manager(model, cfg)
+    metrics = []
+    for s, micro in enumerate(schedule):
+        with mgr.step(s):
+            out = run_step(model, micro, mgr.executor.tracker, seed=s)
+        assert _same(out, ref[s]), f"step {s}: results differ from the run without swap"
+        metrics.append(dict(mgr.last_metrics))
+    return mgr, metrics
+
+
+def _check_adapts(metrics, change_step):
+    """Detected in the step, a new plan within 3 steps, >= 99 % matched from then on."""
+    assert [m["sequence_changed"] for m in metrics] == [s == change_step for s in range(len(metrics))]
+    old = metrics[change_step]["plan_version"]
+    new_at = next(s for s in range(change_step, len(metrics)) if metrics[s]["plan_version"] > old)
+    assert new_at - change_step <= 3
+    for m in metrics[new_at:]:
+        assert m["matched"] >= 0.99 * m["planned_tensors"] > 0
+        assert m["peak_resident_saved_bytes"] <= m["budget_bytes"]
+        assert m["live_entries"] == 0 and m["host_buffers_live"] == 0
+
+
+CFG = SwapConfig(enabled=True, budget_fraction=0.5, min_tensor_bytes=1024)
+
+
+def test_sequence_length_change():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    short, long = batches(0, 2, 2, 16), batches(1, 2, 2, 32)
+    _, metrics = _drive(model, [short] * 3 + [long] * 4, CFG)
+    _check_adapts(metrics, change_step=3)
+
+
+def test_microbatch_count_change():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    _, metrics = _drive(model, [batches(0, 2, 2, 16)] * 3 + [batches(0, 4, 2, 16)] * 4, CFG)
+    _check_adapts(metrics, change_step=3)
+
+
+class Swapped(nn.Module):
+    """Two element-wise operators whose order flips: same count, same bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.flip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h.sin().cos() if not self.flip else h.cos().sin()
+        return (h * h).sum()
+
+
+def test_equal_length_change_is_detected_in_its_step():
+    torch.manual_seed(0)
+    model = Swapped()
+    x = torch.randn(64, 32)
+    mgr = make_manager(model, SwapConfig(enabled=True, budget_fraction=0.5, min_tensor_bytes=0),
+                       layers=False)
+    seen = []
+    for s in range(6):
+        model.flip = s >= 2
+        with mgr.step(s):
+            with mgr.executor.tracker.forward(0):
+                loss = model(x)
+            with mgr.executor.tracker.backward(0):
+                loss.backward()
+        seen.append((mgr.last_metrics["sequence_changed"], mgr.last_metrics["mode"],
+                     mgr.last_metrics["plan_version"]))
+    assert seen == [(False, "full", 0), (False, "light", 1), (True, "light", 1),
+                    (False, "full", 1), (False, "light", 2), (False, "light", 2)]
+
+
+def test_evaluation_between_steps_changes_nothing():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    micro = batches(0, 2, 2, 16)
+    ref = [run_step(model, micro, None, seed=s) for s in range(4)]
+    mgr = make_manager(model, CFG)
+    for s in range(4):
+        with mgr.step(s):
+            out = run_step(model, micro, mgr.executor.tracker, seed=s)
+        assert _same(out, ref[s])
+        model.eval()
+        with torch.no_grad(), mgr.executor.tracker.forward(0):  # evaluation: no step context
+            model(micro[0][:, :-1])
+        model.train()
+        assert not mgr.last_metrics["sequence_changed"]
+        assert mgr.last_metrics["mode"] == ("full" if s == 0 else "light")
+
+
+def test_an_impossible_budget_is_a_clear_error():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    mgr = make_manager(model, SwapConfig(enabled=True, budget_bytes=1000, min_tensor_bytes=1 << 20))
+    with pytest.raises(BudgetError, match="budget 1000 bytes is below the least achievable"):
+        with mgr.step(0):
+            run_step(model, batches(0, 1, 2, 16), mgr.executor.tracker, seed=0)
+
+
+def test_out_of_memory_lowers_the_next_budget_and_reprofiles():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    micro = batches(0, 2, 2, 16)
+    mgr = make_manager(model, SwapConfig(enabled=True, budget_fraction=0.6, min_tensor_bytes=1024))
+    for s in range(2):
+        with mgr.step(s):
+            run_step(model, micro, mgr.executor.tracker, seed=s)
+    before = mgr.plan.budget_bytes
+    with pytest.raises(torch.OutOfMemoryError):
+        with mgr.step(2):
+            with mgr.executor.tracker.forward(0):
+                logits = model(micro[0][:, :-1])
+                held = mgr.executor.resident
+                raise torch.OutOfMemoryError("injected")
+    assert mgr.executor.resident < held  # resident storages were evicted
+    del logits
+    assert mgr.executor.live_entries == 0
+    with mgr.step(3):
+        run_step(model, micro, mgr.executor.tracker, seed=3)
+    assert mgr.last_metrics["mode"] == "full"
+    assert mgr.plan.budget_bytes == int(before * 0.8) and mgr.plan_version == 2
+    assert mgr.totals.ooms == 1

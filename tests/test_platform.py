@@ -1,0 +1,57 @@
+"""The CPU platform patches: applied only without CUDA, idempotent, reversible, versioned."""
+
+import pytest
+import torch
+
+from chameleon_megatron.megatron import platform as plat
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches only apply without CUDA")
+def test_apply_remove_restores_everything():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    before = (torch.cuda.current_device, torch.cuda.synchronize, mrandom._get_cuda_rng_state,
+              mrandom.CudaRNGStatesTracker.fork)
+    p = plat.CpuPlatform()
+    assert p.apply() and p.apply()  # idempotent
+    assert torch.cuda.current_device() == "cpu"
+    assert torch.empty(2, device="cuda").device.type == "cpu"
+    t = torch.ones(3)
+    assert t.cuda() is t and t.type() == "torch.cuda.FloatTensor"
+    assert t.to(torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    p.remove()
+    p.remove()
+    after = (torch.cuda.current_device, torch.cuda.synchronize, mrandom._get_cuda_rng_state,
+             mrandom.CudaRNGStatesTracker.fork)
+    assert after == before
+    assert t.type() == "torch.FloatTensor"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches only apply without CUDA")
+def test_rng_tracker_forks_on_cpu_generator():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with plat.cpu_platform():
+        tracker = mrandom.CudaRNGStatesTracker()
+        tracker.add("tp", 123)
+        torch.manual_seed(0)
+        outside = torch.rand(1)
+        torch.manual_seed(0)
+        with tracker.fork("tp"):
+            a = torch.rand(1)
+        with tracker.fork("tp"):
+            b = torch.rand(1)
+        after = torch.rand(1)
+        ref = torch.Generator().manual_seed(123)
+        # The forked stream is seed 123's, continues across forks, and leaves the outer alone.
+        assert torch.equal(a, torch.rand(1, generator=ref))
+        assert torch.equal(b, torch.rand(1, generator=ref))
+        assert torch.equal(after, outside)
+
+
+def test_version_check_refuses_unknown(monkeypatch):
+    monkeypatch.setattr(plat, "version", lambda name: "0.9.0")
+    with pytest.raises(RuntimeError, match="megatron-core 0.9.0 is not supported"):
+        plat.check_megatron_version()
