@@ -45,11 +45,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
     except ConfigError as exc:
         raise SystemExit(f"chameleon-pretrain-gpt: error: {exc}") from None
     from chameleon_megatron.megatron.platform import CpuPlatform
+
+    platform = CpuPlatform()
+    platform.apply()  # before megatron-core is imported (see its torch.compile note)
     from chameleon_megatron.training import distributed
     from chameleon_megatron.training.trainer import Trainer
 
-    platform = CpuPlatform()
-    platform.apply()
     trainer = Trainer(args, cfg, build_plugins(cfg), env)
     try:
         trainer.setup()

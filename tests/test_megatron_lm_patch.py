@@ -549,9 +549,15 @@ def run_real_cpu(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[di
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(out.parent / "cpu_driver.py"), "pretrain_gpt.py", *flags,
            "--chameleon-metrics-file", str(out), *extra]
-    run = subprocess.run(cmd, env={**env, "TORCHDYNAMO_DISABLE": "1"}, cwd=ckpt,
-                         capture_output=True, text=True, timeout=250)
-    log = run.stdout + run.stderr
+    run = subprocess.Popen(cmd, env={**env, "TORCHDYNAMO_DISABLE": "1"}, cwd=ckpt, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        log = run.communicate(timeout=250)[0]
+    finally:  # torchrun's workers go with it
+        if run.poll() is None:
+            os.killpg(run.pid, 9)
+            run.wait()
     assert run.returncode == 0, log[-6000:]
     return [json.loads(line) for line in out.read_text().splitlines()], log
 

@@ -13,10 +13,12 @@ def test_apply_remove_restores_everything():
     from megatron.core.tensor_parallel import random as mrandom
 
     before = (torch.cuda.current_device, torch.cuda.synchronize, mrandom._get_cuda_rng_state,
-              mrandom.CudaRNGStatesTracker.fork)
+              mrandom.CudaRNGStatesTracker.fork, torch.compile)
     p = plat.CpuPlatform()
     assert p.apply() and p.apply()  # idempotent
     assert torch.cuda.current_device() == "cpu"
+    f = lambda x: x + 1  # noqa: E731
+    assert torch.compile(f) is f and torch.compile(mode="max-autotune")(f) is f
     assert torch.empty(2, device="cuda").device.type == "cpu"
     t = torch.ones(3)
     assert t.cuda() is t and t.type() == "torch.cuda.FloatTensor"
@@ -24,7 +26,7 @@ def test_apply_remove_restores_everything():
     p.remove()
     p.remove()
     after = (torch.cuda.current_device, torch.cuda.synchronize, mrandom._get_cuda_rng_state,
-             mrandom.CudaRNGStatesTracker.fork)
+             mrandom.CudaRNGStatesTracker.fork, torch.compile)
     assert after == before
     assert t.type() == "torch.FloatTensor"
 

@@ -13,6 +13,10 @@ megatron-core assumes CUDA in a few places that matter for training. When CUDA i
 * A ``TorchFunctionMode`` that maps ``device="cuda"`` arguments to the CPU, makes
   ``Tensor.cuda()`` return the tensor itself, and answers ``Tensor.type()`` with the
   ``torch.cuda.*Tensor`` name that megatron's optimizer and ``clip_grads`` assert on.
+* ``torch.compile`` -> identity, when applied before megatron-core is imported: its
+  ``jit_fuser`` decorators (``megatron.core.jit``, used by ``megatron.core.fusions``) would
+  otherwise load TorchInductor at import (about 40% of each process's start-up CPU time) to
+  compile CUDA fusions that the trainer disables on CPU anyway.
 
 Patches are applied once per ``CpuPlatform`` (idempotent) and only when CUDA is unavailable;
 the megatron-core version is checked first because the call sites above are version-specific.
@@ -72,6 +76,11 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _no_compile(fn: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+    """torch.compile's signature, returning the function uncompiled (also as a decorator)."""
+    return fn if fn is not None else (lambda f: f)
+
+
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
     return torch.get_rng_state()
 
@@ -126,6 +135,7 @@ class CpuPlatform:
         if torch.cuda.is_available():
             return False
         check_megatron_version()
+        self._set(torch, "compile", _no_compile)
         from megatron.core.tensor_parallel import random as mrandom
 
         self._set(torch.cuda, "current_device", lambda: "cpu")

@@ -171,43 +171,57 @@ def restore_plan(holdings: Holdings, new: Plan, profile: Profile) -> RestorePlan
             sent[src] = sent.get(src, 0.0) + cost.state_bytes
             transfers.append(Transfer(src, rank, u, "params", cost.param_bytes))
             transfers.append(Transfer(src, rank, u, "optimizer", cost.optimizer_bytes))
-    groups = allreduce_groups(new, profile)
+    groups, rounds = _groups_and_rounds(new, profile)
     return RestorePlan(
-        assignment=tuple(assignment), transfers=tuple(transfers), groups=groups,
-        rounds=allreduce_rounds(groups),
+        assignment=tuple(assignment), transfers=tuple(transfers), groups=groups, rounds=rounds,
         lost=tuple(sorted(lost, key=lambda x: (unit_order(x[0]), x[1]))),
     )
 
 
 def allreduce_groups(plan: Plan, profile: Profile) -> tuple[AllReduceGroup, ...]:
-    """One group per distinct set of ranks holding the same state units (at one TP index)."""
-    holders: dict[tuple[StateUnit, int], list[int]] = {}
-    for j, s, i, rank in plan.slots():
-        for u in plan.pipelines[j].stage_units(s):
-            holders.setdefault((u, i), []).append(rank)
+    """One group per distinct set of ranks holding the same state units at one TP index."""
+    return _groups_and_rounds(plan, profile)[0]
+
+
+def allreduce_rounds(plan: Plan, profile: Profile) -> tuple[tuple[int, ...], ...]:
+    """Rounds of ``allreduce_groups(plan)`` in which no rank is in two groups."""
+    return _groups_and_rounds(plan, profile)[1]
+
+
+def _groups_and_rounds(plan: Plan, profile: Profile) -> tuple[tuple[AllReduceGroup, ...],
+                                                                tuple[tuple[int, ...], ...]]:
+    """Groups are formed over stages (TP groups) and then split per TP index: the copies at
+    different TP indices have disjoint ranks, so one colouring of the stage-level conflict
+    graph (DSATUR; stages shared = conflict) serves every index."""
+    holders: dict[StateUnit, list[int]] = {}
+    stages = [st.ranks for p in plan.pipelines for st in p.stages]
+    k = 0
+    for pipe in plan.pipelines:
+        for s in range(pipe.depth):
+            for u in pipe.stage_units(s):
+                holders.setdefault(u, []).append(k)
+            k += 1
     merged: dict[tuple[int, ...], list[StateUnit]] = {}
-    for (u, _), ranks in holders.items():
-        if len(ranks) > 1:
-            merged.setdefault(tuple(sorted(ranks)), []).append(u)
-    return tuple(
-        AllReduceGroup(ranks=r, layers=tuple(us),
-                       bytes=sum(unit_cost(profile, u).param_bytes for u in us))
-        for r, us in merged.items()
-    )
-
-
-def allreduce_rounds(groups: Sequence[AllReduceGroup]) -> tuple[tuple[int, ...], ...]:
-    """Colour the conflict graph (groups sharing a rank) with DSATUR; a colour is a round."""
+    for u, owners in holders.items():
+        if len(owners) > 1:
+            merged.setdefault(tuple(owners), []).append(u)
+    keys = list(merged)
     graph = nx.Graph()
-    graph.add_nodes_from(range(len(groups)))
-    by_rank: dict[int, list[int]] = {}
-    for g, group in enumerate(groups):
-        for r in group.ranks:
-            by_rank.setdefault(r, []).append(g)
-    for members in by_rank.values():
-        graph.add_edges_from((a, b) for k, a in enumerate(members) for b in members[k + 1:])
+    graph.add_nodes_from(range(len(keys)))
+    by_stage: dict[int, list[int]] = {}
+    for g, owners in enumerate(keys):
+        for st in owners:
+            by_stage.setdefault(st, []).append(g)
+    for members in by_stage.values():
+        graph.add_edges_from((a, b) for i, a in enumerate(members) for b in members[i + 1:])
     colour = nx.coloring.greedy_color(graph, strategy="DSATUR")
+    groups: list[AllReduceGroup] = []
     rounds: dict[int, list[int]] = {}
-    for g in range(len(groups)):
-        rounds.setdefault(colour[g], []).append(g)
-    return tuple(tuple(rounds[c]) for c in sorted(rounds))
+    for g, owners in enumerate(keys):
+        units = tuple(merged[owners])
+        size = sum(unit_cost(profile, u).param_bytes for u in units)
+        for i in range(plan.tp):
+            rounds.setdefault(colour[g], []).append(len(groups))
+            groups.append(AllReduceGroup(ranks=tuple(sorted(stages[st][i] for st in owners)),
+                                         layers=units, bytes=size))
+    return tuple(groups), tuple(tuple(rounds[c]) for c in sorted(rounds))

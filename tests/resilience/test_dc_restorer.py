@@ -121,7 +121,7 @@ def test_lost_layers_make_the_plan_unrecoverable():
 def test_uniform_plan_reduces_in_one_round():
     plan = UniformLayout(tp=2, pp=3, dp=4).to_plan(6, 8)
     groups = allreduce_groups(plan, make_profile(6, tp=2))
-    assert len(groups) == 3 * 2 and len(allreduce_rounds(groups)) == 1
+    assert len(groups) == 3 * 2 and len(allreduce_rounds(plan, make_profile(6, tp=2))) == 1
     assert all(len(g.ranks) == 4 for g in groups)
 
 
@@ -132,7 +132,7 @@ def test_rounds_are_a_valid_colouring_of_random_heterogeneous_plans(seed):
     units = [tuple(range(u * tp, (u + 1) * tp)) for u in range(rng.randint(3, 10))]
     plan = random_plan(rng, L, units, tp)
     groups = allreduce_groups(plan, make_profile(L, tp=tp))
-    rounds = allreduce_rounds(groups)
+    rounds = allreduce_rounds(plan, make_profile(L, tp=tp))
     assert sorted(g for r in rounds for g in r) == list(range(len(groups)))
     for r in rounds:
         ranks = [rank for g in r for rank in groups[g].ranks]
