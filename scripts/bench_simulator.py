@@ -50,24 +50,25 @@ def single_failures() -> None:
 def mtbf_sweep(seeds: int) -> None:
     print(f"2. 32 devices, 24 h, repair 4 h, mean of {seeds} traces; samples/s per strategy and "
           "Chameleon's ratios")
-    header = f"   {'MTBF h':>6} {'regroup s':>9} {'fails':>5}  " + "  ".join(
-        f"{n[:10]:>10}" for n in ("chameleon", "reroute", "replan", "ckpt", "redundant"))
-    print(header + f"  {'vs replan':>9} {'vs reroute':>10}")
-    for regroup in (30.0, 120.0, 600.0):
-        for mtbf_h in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0):
-            avg: dict[str, float] = {}
-            fails = 0
-            for seed in range(seeds):
-                config = load_preset(PRESETS / "32.yaml", mtbf_s=mtbf_h * 3600, seed=seed,
-                                     regroup_s=regroup)
-                report, _ = simulate(config)
-                fails += report["failures"]
-                for name, row in report["strategies"].items():
-                    avg[name] = avg.get(name, 0.0) + row["avg_throughput"] / seeds
-            cells = "  ".join(f"{avg[n]:10.2f}" for n in
-                              ("chameleon", "reroute", "replan", "checkpoint_restart", "redundant"))
-            print(f"   {mtbf_h:6g} {regroup:9g} {fails / seeds:5.1f}  {cells}  "
-                  f"{avg['chameleon'] / avg['replan']:9.3f} {avg['chameleon'] / avg['reroute']:10.3f}")
+    names = ("chameleon", "reroute", "replan", "checkpoint_restart", "redundant")
+    print(f"   {'layout':>8} {'regroup s':>9} {'MTBF h':>6} {'fails':>5}  "
+          + "  ".join(f"{n[:10]:>10}" for n in names) + f"  {'vs replan':>9} {'vs reroute':>10}")
+    for pp, dp in ((2, 16), (4, 8), (8, 4)):
+        for regroup in (30.0, 120.0, 600.0):
+            for mtbf_h in (0.25, 0.5, 1.0, 2.0, 4.0):
+                avg = dict.fromkeys(names, 0.0)
+                fails = 0
+                for seed in range(seeds):
+                    config = load_preset(PRESETS / "32.yaml", pp=pp, dp=dp, mtbf_s=mtbf_h * 3600,
+                                         seed=seed, regroup_s=regroup)
+                    report, _ = simulate(config)
+                    fails += report["failures"]
+                    for name in names:
+                        avg[name] += report["strategies"][name]["avg_throughput"] / seeds
+                cells = "  ".join(f"{avg[n]:10.2f}" for n in names)
+                print(f"   {f'pp{pp}dp{dp}':>8} {regroup:9g} {mtbf_h:6g} {fails / seeds:5.1f}  "
+                      f"{cells}  {avg['chameleon'] / avg['replan']:9.3f} "
+                      f"{avg['chameleon'] / avg['reroute']:10.3f}", flush=True)
 
 
 def large(name: str) -> None:

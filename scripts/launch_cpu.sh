@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
 # Train on this machine's CPUs: N gloo processes under torchrun.
 #
-#   scripts/launch_cpu.sh [--nproc-per-node N] PRESET.yaml [trainer flags...]
-#   scripts/launch_cpu.sh --nproc-per-node 4 configs/tiny-cpu.yaml --train-iters 10
+#   scripts/launch_cpu.sh N PRESET.yaml [trainer flags...]
+#   scripts/launch_cpu.sh 4 configs/tiny-cpu.yaml --train-iters 100
 #
-# N defaults to 4. Flags after the preset override it (and --distributed-backend gloo).
-# PYTHON picks the interpreter (default python3); CHAMELEON_ENTRY runs another script with
-# the same flags, e.g. a patched Megatron-LM pretrain_gpt.py (see docs/megatron-lm.md).
+# Flags after the preset override it (and --distributed-backend gloo).
+# The launcher is chameleon-run: torchrun, with an agent that keeps survivors running when
+# the run enables --chameleon-ft (flag or preset), plain torchrun otherwise.
+# PYTHON picks the interpreter (default: the repository's .venv, else python3).
+# CHAMELEON_ENTRY runs another script with the same flags, e.g. a patched Megatron-LM
+# pretrain_gpt.py (docs/megatron-lm.md); default: the chameleon_megatron.pretrain_gpt module.
 set -euo pipefail
 
-usage="usage: $0 [--nproc-per-node N] PRESET.yaml [trainer flags...]"
-nproc=4
-if [[ ${1:-} == --nproc-per-node ]]; then
-    [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
-    nproc=$2
-    shift 2
+if [[ $# -lt 2 || ! $1 =~ ^[0-9]+$ || ! -f $2 ]]; then
+    echo "usage: $0 N PRESET.yaml [trainer flags...]  (N processes; the preset must exist)" >&2
+    exit 2
 fi
-[[ $# -ge 1 && -f $1 ]] || { echo "$usage" >&2; echo "no preset file: ${1:-}" >&2; exit 2; }
-preset=$1
-shift
+nproc=$1 preset=$2
+shift 2
 
+repo=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$([[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/python" || echo python3)}
 entry=(-m chameleon_megatron.pretrain_gpt)
 [[ -n ${CHAMELEON_ENTRY:-} ]] && entry=("$CHAMELEON_ENTRY")
 # --standalone: a local rendezvous on a free port, so parallel jobs do not collide.
-exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+exec "$python" -m chameleon_megatron.launch --standalone --nproc-per-node "$nproc" \
     "${entry[@]}" --chameleon-config "$preset" --distributed-backend gloo "$@"

@@ -1,52 +1,44 @@
 #!/usr/bin/env bash
-# Train across nodes: run this on every node with the same endpoint and id (torchrun's c10d
-# rendezvous); node 0 hosts the rendezvous store at the endpoint.
+# Train across nodes with torchrun's c10d rendezvous: run this on every node, with the same
+# NNODES, RDZV_ENDPOINT (an address of node 0) and RDZV_ID, and each node's own NODE_RANK.
 #
-#   scripts/launch_multinode.sh --nnodes NODES --node-rank R --rdzv-endpoint HOST:PORT \
-#       [--rdzv-id ID] [--nproc-per-node N] [--backend nccl|gloo] PRESET.yaml [trainer flags...]
+#   NNODES=M NODE_RANK=R RDZV_ENDPOINT=HOST:PORT scripts/launch_multinode.sh N PRESET.yaml [flags...]
+#   NNODES=2 NODE_RANK=0 RDZV_ENDPOINT=host0:29500 scripts/launch_multinode.sh 8 \
+#       configs/llama-13b-8xh100.yaml --mock-data          # and NODE_RANK=1 on host1
 #
-#   # on node0 (10.0.0.1) and node1 alike, only --node-rank differs:
-#   scripts/launch_multinode.sh --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 \
-#       configs/llama-13b-8xh100.yaml --mock-data
-#
-# N defaults to every visible GPU; ID to "chameleon"; backend to nccl. Ranks are numbered
-# node by node, so a node's processes get consecutive ranks (tensor parallelism stays inside
-# a node). Flags after the preset override it.
-# PYTHON picks the interpreter (default python3); CHAMELEON_ENTRY runs another script with
-# the same flags, e.g. a patched Megatron-LM pretrain_gpt.py (see docs/megatron-lm.md).
+# N processes per node (one per GPU). RDZV_ID (default chameleon) names the job; BACKEND
+# (default nccl; gloo for CPU nodes) is passed as --distributed-backend. A node's processes get
+# consecutive ranks, so tensor parallelism stays inside a node. Flags after the preset
+# override it.
+# The launcher is chameleon-run: torchrun, with an agent that keeps survivors running when
+# the run enables --chameleon-ft (flag or preset), plain torchrun otherwise.
+# PYTHON picks the interpreter (default: the repository's .venv, else python3).
+# CHAMELEON_ENTRY runs another script with the same flags, e.g. a patched Megatron-LM
+# pretrain_gpt.py (docs/megatron-lm.md); default: the chameleon_megatron.pretrain_gpt module.
 set -euo pipefail
 
-usage="usage: $0 --nnodes NODES --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id ID] \
-[--nproc-per-node N] [--backend nccl|gloo] PRESET.yaml [trainer flags...]"
-nnodes= node_rank= endpoint= rdzv_id=chameleon nproc=gpu backend=nccl
-while [[ ${1:-} == --* ]]; do
-    [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
-    case $1 in
-        --nnodes) nnodes=$2 ;;
-        --node-rank) node_rank=$2 ;;
-        --rdzv-endpoint) endpoint=$2 ;;
-        --rdzv-id) rdzv_id=$2 ;;
-        --nproc-per-node) nproc=$2 ;;
-        --backend) backend=$2 ;;
-        *) echo "unknown option $1" >&2; echo "$usage" >&2; exit 2 ;;
-    esac
-    shift 2
-done
-if [[ -z $nnodes || -z $node_rank || -z $endpoint ]]; then
-    echo "$usage" >&2; echo "--nnodes, --node-rank and --rdzv-endpoint are required" >&2; exit 2
+if [[ $# -lt 2 || ! $1 =~ ^[0-9]+$ || ! -f $2 ]]; then
+    echo "usage: NNODES=M NODE_RANK=R RDZV_ENDPOINT=HOST:PORT $0 N PRESET.yaml [trainer flags...]" >&2
+    exit 2
 fi
-[[ $# -ge 1 && -f $1 ]] || { echo "$usage" >&2; echo "no preset file: ${1:-}" >&2; exit 2; }
-preset=$1
-shift
+if [[ -z ${NNODES:-} || -z ${NODE_RANK:-} || -z ${RDZV_ENDPOINT:-} ]]; then
+    echo "$0: set NNODES, NODE_RANK and RDZV_ENDPOINT (HOST:PORT of node 0)" >&2
+    exit 2
+fi
+nproc=$1 preset=$2
+shift 2
+backend=${BACKEND:-nccl}
 
-# The c10d rendezvous assigns ranks itself (torchrun ignores --node-rank for it); the node
-# rank says which node hosts the store, instead of guessing from host names.
-is_host=false
-[[ $node_rank == 0 ]] && is_host=true
-[[ $backend == nccl ]] && export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$([[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/python" || echo python3)}
 entry=(-m chameleon_megatron.pretrain_gpt)
 [[ -n ${CHAMELEON_ENTRY:-} ]] && entry=("$CHAMELEON_ENTRY")
-exec "${PYTHON:-python3}" -m torch.distributed.run --nnodes "$nnodes" \
-    --nproc-per-node "$nproc" --rdzv-backend c10d --rdzv-endpoint "$endpoint" \
-    --rdzv-id "$rdzv_id" --rdzv-conf "is_host=$is_host" \
+[[ $backend == nccl ]] && export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# c10d numbers the nodes itself (torchrun ignores --node-rank there); NODE_RANK says which
+# node hosts the rendezvous store, rather than guessing it from host names.
+is_host=false
+[[ $NODE_RANK == 0 ]] && is_host=true
+exec "$python" -m chameleon_megatron.launch --nnodes "$NNODES" --nproc-per-node "$nproc" \
+    --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-chameleon}" \
+    --rdzv-conf "is_host=$is_host" \
     "${entry[@]}" --chameleon-config "$preset" --distributed-backend "$backend" "$@"

@@ -209,19 +209,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_launchers(commands: list[list[str]], tmp_path: Path) -> list[dict]:
-    """Start the launcher commands together (a fake entry records each rank); their records."""
+def run_launchers(commands: list[tuple[list[str], dict]], tmp_path: Path) -> list[dict]:
+    """Start (arguments, extra env) launcher commands together, a fake entry recording each
+    rank; the ranks' records."""
     (tmp_path / "entry.py").write_text(FAKE_ENTRY)
     env = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path),
            "CHAMELEON_ENTRY": str(tmp_path / "entry.py")}
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    procs = [subprocess.Popen(["bash", str(REPO / "scripts" / c[0]), *c[1:]], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for c in commands]
+    procs = [subprocess.Popen(["bash", str(REPO / "scripts" / argv[0]), *argv[1:]], cwd=REPO,
+                              env={**env, **extra}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for argv, extra in commands]
     try:
         logs = [p.communicate(timeout=100)[0] for p in procs]
-    finally:
+    finally:  # torchrun's workers go with their launcher
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
@@ -231,40 +232,44 @@ def run_launchers(commands: list[list[str]], tmp_path: Path) -> list[dict]:
 
 
 def test_cpu_launcher_runs_n_gloo_ranks_with_preset_and_flags(tmp_path):
-    ranks = run_launchers([["launch_cpu.sh", "--nproc-per-node", "2", "configs/tiny-cpu.yaml",
-                            "--train-iters", "3"]], tmp_path)
+    ranks = run_launchers([(["launch_cpu.sh", "2", "configs/tiny-cpu.yaml",
+                             "--train-iters", "3"], {})], tmp_path)
     assert ranks == [{"world": "2", "max_connections": None, "argv": [
         "--chameleon-config", "configs/tiny-cpu.yaml", "--distributed-backend", "gloo",
         "--train-iters", "3"]}] * 2
 
 
 def test_gpu_launcher_uses_nccl(tmp_path):
-    ranks = run_launchers([["launch_gpu.sh", "--nproc-per-node", "1",
-                            "configs/gpt-7b-8xh100.yaml", "--mock-data"]], tmp_path)
+    ranks = run_launchers([(["launch_gpu.sh", "1", "configs/gpt-7b-8xh100.yaml",
+                             "--mock-data"], {})], tmp_path)
     assert ranks == [{"world": "1", "max_connections": "1", "argv": [
         "--chameleon-config", "configs/gpt-7b-8xh100.yaml", "--distributed-backend", "nccl",
         "--mock-data"]}]
 
 
 def test_multinode_launcher_rendezvous_of_two_nodes(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
-    node = ["launch_multinode.sh", "--nnodes", "2", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", "test", "--nproc-per-node", "1", "--backend", "gloo"]
-    ranks = run_launchers([[*node[:1], "--node-rank", str(r), *node[1:],
-                            "configs/tiny-cpu.yaml", "--seed", "7"] for r in (0, 1)], tmp_path)
+    node = {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "test",
+            "BACKEND": "gloo"}
+    argv = ["launch_multinode.sh", "1", "configs/tiny-cpu.yaml", "--seed", "7"]
+    ranks = run_launchers([(argv, {**node, "NODE_RANK": str(r)}) for r in (0, 1)], tmp_path)
     assert ranks == [{"world": "2", "max_connections": None, "argv": [
         "--chameleon-config", "configs/tiny-cpu.yaml", "--distributed-backend", "gloo",
         "--seed", "7"]}] * 2
 
 
-def test_launchers_refuse_a_missing_preset():
-    for script in ("launch_cpu.sh", "launch_gpu.sh"):
-        done = subprocess.run(["bash", str(REPO / "scripts" / script), "no-such.yaml"],
-                              capture_output=True, text=True, timeout=30)
-        assert done.returncode == 2 and "no preset file: no-such.yaml" in done.stderr
-    done = subprocess.run(["bash", str(REPO / "scripts" / "launch_multinode.sh"),
-                           "configs/tiny-cpu.yaml"], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 2 and "--nnodes, --node-rank and --rdzv-endpoint are required" in done.stderr
+def test_launchers_refuse_bad_arguments():
+    def refused(script: str, *args: str, **env: str) -> str:
+        done = subprocess.run(["bash", str(REPO / "scripts" / script), *args], cwd=REPO,
+                              env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 2
+        return done.stderr
+
+    for script in ("launch_cpu.sh", "launch_gpu.sh", "launch_multinode.sh"):
+        assert "usage:" in refused(script, "4", "no-such.yaml")
+        assert "usage:" in refused(script, "configs/tiny-cpu.yaml")
+    assert "set NNODES, NODE_RANK and RDZV_ENDPOINT" in refused(
+        "launch_multinode.sh", "1", "configs/tiny-cpu.yaml", NNODES="2")
 
 
 # ----------------------------------------------------------- a real Megatron-LM checkout

@@ -10,7 +10,7 @@ from typing import Any
 
 from chameleon_megatron.sim.config import STRATEGIES, load_preset
 from chameleon_megatron.sim.plotting import plot_throughput
-from chameleon_megatron.sim.simulator import simulate
+from chameleon_megatron.sim.simulator import setup, simulate
 from chameleon_megatron.sim.traces import save_trace
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "sim"
@@ -44,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
     )
     report, results = simulate(config)
     if args.save_trace:
-        from chameleon_megatron.sim.simulator import setup
         save_trace(setup(config).events, args.save_trace)
     if args.plot:
         plot_throughput(results, report["failure_free"]["throughput"], args.plot,

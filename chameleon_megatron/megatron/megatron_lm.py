@@ -29,19 +29,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import math
 import sys
 import time
-from pathlib import Path
 from types import ModuleType
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from chameleon_megatron.config import ChameleonConfig, add_chameleon_args, config_from_args, read_yaml
 from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.training.metrics import MetricsWriter
 from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
 
 logger = logging.getLogger(__name__)
@@ -112,10 +111,8 @@ def plugins_for(config: ChameleonConfig) -> list[TrainerPlugin]:
     return build_plugins(config)
 
 
-def wrap_pretrain(
-    pretrain: Callable[..., Any], build_plugins: PluginBuilder | None = None
-) -> Callable[..., Any]:
-    """``pretrain`` with Chameleon's flags and hooks (``build_plugins``: ``plugins_for``).
+def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
+    """``pretrain`` with Chameleon's flags and hooks (plugins from ``plugins_for``).
 
     Called at the top of pretrain_gpt.py's ``__main__`` block, it adds Chameleon's flags to
     every later argument parse, for the rest of the process: Megatron-LM parses before
@@ -134,11 +131,10 @@ def wrap_pretrain(
         )
     for module in (arguments, initialize):
         module.parse_args = with_chameleon_args(module.parse_args)
-    builder = build_plugins or plugins_for
 
     @functools.wraps(pretrain)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with MegatronLMHook(training, builder).installed():
+        with MegatronLMHook(training, plugins_for).installed():
             return pretrain(*args, **kwargs)
 
     return wrapped
@@ -162,7 +158,7 @@ class MegatronLMHook:
         self._training = training
         self._build_plugins = build_plugins
         self.plugins: list[TrainerPlugin] = []
-        self._metrics_file: IO[str] | None = None
+        self._metrics = MetricsWriter(None)
         self._send_metrics = False
 
     @contextlib.contextmanager
@@ -182,8 +178,7 @@ class MegatronLMHook:
                 for plugin in self.plugins:
                     plugin.on_train_end()
             finally:
-                if self._metrics_file is not None:
-                    self._metrics_file.close()
+                self._metrics.close()
 
     def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
@@ -192,10 +187,8 @@ class MegatronLMHook:
             config = config_from_args(margs)
             self.plugins = list(self._build_plugins(config))
             self._send_metrics = config.metrics.file is not None
-            if self._send_metrics and torch.distributed.get_rank() == 0:
-                path = Path(config.metrics.file)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._metrics_file = path.open("a")
+            self._metrics = MetricsWriter(config.metrics.file,
+                                          enabled=torch.distributed.get_rank() == 0)
             ctx = self._context(model, optimizer, scheduler, margs)
             for plugin in self.plugins:
                 plugin.on_model_built(ctx)
@@ -249,10 +242,7 @@ class MegatronLMHook:
             if self._send_metrics:
                 pipelined = self._training.get_args().pipeline_model_parallel_size > 1
                 loss = _loss_to_rank0(out[0], pipelined)
-                if self._metrics_file is not None:
-                    record = self._record(loss, step_time) | extra
-                    self._metrics_file.write(json.dumps(record) + "\n")
-                    self._metrics_file.flush()
+                self._metrics.write(self._record(loss, step_time) | extra)
             return out
 
         return train_step

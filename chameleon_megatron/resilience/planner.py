@@ -175,9 +175,9 @@ class Planner:
         self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._results: dict[tuple[int, int], SearchResult] = {}
-        total = [c.forward_s + c.backward_s for c in profile.layers]
-        self._work = sum(total) + sum(c.forward_s + c.backward_s
-                                      for c in (profile.embedding, profile.output))
+        # compute of one microbatch through the whole model: M W / D bounds any plan on D units
+        self._work = sum(c.forward_s + c.backward_s
+                         for c in (*profile.layers, profile.embedding, profile.output))
 
     # -- per pipeline -------------------------------------------------------------------
     def _split_table(self, d: int) -> _Splits:

@@ -73,8 +73,10 @@ class InMemoryStrategy:
         return Candidate(name=READMIT, feasible=True, reason="ok", t_step_s=rest.t_step_s,
                          t_transition_s=transition_s(restore, self.planner.profile), plan=self.plan)
 
-    def _choose(self, cands: list[Candidate], forced: list[str], now: float) -> tuple[Candidate | None, dict]:
-        d_s = self.estimator.expected_s(self.failures, now)
+    def _choose(self, cands: list[Candidate], forced: list[str],
+                now_s: float) -> tuple[Candidate | None, dict]:
+        """Eq. 8 for the adaptive policy; else the first feasible of ``forced``."""
+        d_s = self.estimator.expected_s(self.failures, now_s)
         batch = self.planner.profile.global_batch_size
         if self.policy == "adaptive":
             try:
@@ -102,7 +104,7 @@ class InMemoryStrategy:
                      self._replan()]
             forced = {"reroute": [REROUTE, REPLAN], "replan": [REPLAN], "adaptive": []}
             return self._apply(*self._choose(cands, forced[self.policy], now_s),
-                               now_s, self.detect_s, event)
+                               self.detect_s, event)
         healthy_before = len(self._healthy())
         self.down.discard(event.rank)
         if in_plan:
@@ -117,9 +119,9 @@ class InMemoryStrategy:
         grew = len(self._healthy()) > healthy_before
         forced = {"reroute": [READMIT, STAY] if whole else [STAY],
                   "replan": [REPLAN, STAY] if grew else [STAY], "adaptive": []}
-        return self._apply(*self._choose(cands, forced[self.policy], now_s), now_s, 0.0, event)
+        return self._apply(*self._choose(cands, forced[self.policy], now_s), 0.0, event)
 
-    def _apply(self, chosen: Candidate | None, record: dict, now_s: float, detect_s: float,
+    def _apply(self, chosen: Candidate | None, record: dict, detect_s: float,
                event: Event) -> Reaction:
         record = {"kind": event.kind, "rank": event.rank, **record}
         if chosen is None:

@@ -42,6 +42,9 @@ class SyncCopier:
     def memory_in_use(self, device: torch.device) -> int | None:
         return None
 
+    def sync_device(self) -> None:
+        """Wait for all queued device work (profiling steps time their segments)."""
+
 
 class CudaCopier(SyncCopier):
     """Asynchronous copies on dedicated streams, ordered by events."""
@@ -85,6 +88,9 @@ class CudaCopier(SyncCopier):
 
     def memory_in_use(self, device: torch.device) -> int | None:
         return torch.cuda.memory_allocated(device)
+
+    def sync_device(self) -> None:
+        torch.cuda.synchronize(self.device)
 
 
 def copier_for(device: torch.device) -> SyncCopier:

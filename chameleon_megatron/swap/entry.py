@@ -67,10 +67,12 @@ class Handle:
 
 
 def view_of(t: torch.Tensor) -> tuple:
+    """What it takes to rebuild ``t`` on a copy of its storage."""
     return (t.dtype, t.size(), t.stride(), t.storage_offset())
 
 
 def rebuild(data: torch.Tensor, view: tuple) -> torch.Tensor:
+    """The tensor ``view`` describes, on the storage of ``data`` (same layout, same bits)."""
     dtype, size, stride, offset = view
     return torch.empty(0, dtype=dtype, device=data.device).set_(
         data.untyped_storage(), offset, size, stride)

@@ -41,6 +41,7 @@ from chameleon_megatron.swap.stage import StageTracker
 
 logger = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass
 class StepCounters:
     """What the executor did in one step."""
@@ -56,7 +57,7 @@ class StepCounters:
     blocking_swapins: int = 0
     matched: int = 0
     unmatched: int = 0
-    oom_evictions: int = 0
+    evictions: int = 0
     peak_resident_saved_bytes: int = 0
     peak_saved_bytes: int = 0
 
@@ -188,7 +189,10 @@ class SwapExecutor:
                 self._fire(entry.uid, USE)
         if entry.tensors is None:
             self._bring_back(entry)
-        return entry.tensors[packed.index]
+        t = entry.tensors[packed.index]
+        if entry.state == RESIDENT:
+            _check_storage(entry, t)
+        return t
 
     def _enforce_budget(self, entry: Entry) -> None:
         """Over budget: wait for copies out in flight (the stall the plan foresaw), then
@@ -220,9 +224,11 @@ class SwapExecutor:
         """Start the prefetches anchored at this event."""
         for target in self._triggers.get((uid, kind), ()):
             entry = self._by_uid.get(target)
-            if entry is not None and entry.tensors is None and entry.state != IN \
-                    and not self._over_budget(entry.nbytes):
-                self._prefetch(entry)
+            if entry is None or entry.tensors is not None or entry.state == IN:
+                continue
+            if entry.state == SWAPPED and self._over_budget(entry.nbytes):
+                continue  # sizes grew since the profile: the unpack makes room
+            self._prefetch(entry)
 
     def _over_budget(self, nbytes: int) -> bool:
         return self.budget is not None and self.resident + nbytes > self.budget
@@ -237,6 +243,7 @@ class SwapExecutor:
         return Handle(entry, len(entry.views) - 1)
 
     def _swap_out(self, entry: Entry) -> None:
+        _check_storage(entry, entry.tensors[0])
         src = bytes_of(entry.tensors[0])
         entry.views = [view_of(t) for t in entry.tensors]
         entry.tensors = None
@@ -333,8 +340,8 @@ class SwapExecutor:
             self.recorder.on_free(entry.rec, self.tracker.segment)
         if entry.state == OUT:
             return  # _poll recycles the host buffer when the copy ends
-        if entry.host is not None:
-            self._defer_host(entry.token if entry.state == IN else None, entry.host)
+        if entry.host is not None:  # swapped out and never brought back
+            self.pool.release(entry.host)
         entry.tensors = entry.data = entry.host = None
 
     def evict(self, need_bytes: int) -> int:
@@ -350,7 +357,7 @@ class SwapExecutor:
                     self.copier.sync(entry.token)
                     self._poll()
                 freed += entry.nbytes
-                self.counters.oom_evictions += 1
+                self.counters.evictions += 1
         return freed
 
     def _new_code(self, op: tuple) -> int:
@@ -359,3 +366,12 @@ class SwapExecutor:
         self._codes[op] = code = len(self.op_names)
         self.op_names.append(f"{name}:{dtype}")
         return code
+
+
+def _check_storage(entry: Entry, t: torch.Tensor) -> None:
+    """Autograd keeps the storage a tensor had when it was saved; these hooks keep the
+    tensor. Code that later reassigns a saved tensor's ``.data`` (megatron does so only for
+    pipeline outputs, which no operator saves) would make them differ: refuse loudly."""
+    if t.untyped_storage().data_ptr() != entry.key:
+        raise RuntimeError("swap: a saved tensor's .data was reassigned after autograd saved "
+                           f"it ({tuple(t.shape)}, {t.dtype}); run without --chameleon-swap")

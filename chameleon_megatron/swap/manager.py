@@ -74,7 +74,8 @@ class SwapManager:
         """Signature of the step the plan was built from."""
         self.previous: StepSignature | None = None
         """Signature of the previous training step."""
-        self.reprofile = True
+        self.reprofile: str | None = "initial"
+        """Why the next step profiles fully (None: it runs lightweight)."""
         self.oom_factor = 1.0
         self.last_profile: StepProfile | None = None
         self.last_metrics: dict[str, Any] = {}
@@ -83,12 +84,11 @@ class SwapManager:
     @contextlib.contextmanager
     def step(self, iteration: int) -> Iterator[None]:
         """Context around one training step's forward-backward."""
-        full = self.reprofile
+        full = self.reprofile is not None
         ex = self.executor
         ex.begin_step(profile="full" if full else "light")
         ex.budget = self._guard_budget()
-        on_gpu = torch.cuda.is_available()
-        ex.tracker.sync = torch.cuda.synchronize if full and on_gpu else None
+        ex.tracker.sync = ex.copier.sync_device if full else None  # exact segment times
         try:
             with ex.hooks():
                 yield
@@ -125,17 +125,17 @@ class SwapManager:
         plan_s = 0.0
         if profile is not None:
             start = time.perf_counter()
-            self._adopt(profile, iteration, reason="change" if changed else "initial")
+            self._adopt(profile, iteration)
             plan_s = time.perf_counter() - start
         elif stale:
-            self.reprofile = True
+            self.reprofile = "change"
         if changed:
             logger.info("swap change %s", {"rank": self.rank, "iteration": iteration,
                                             "stages": len(changed), "first": changed[0]})
         self.last_metrics = self._metrics(used, full, counters, bool(changed), profiler_s, plan_s)
         self._accumulate(counters, full, bool(changed), profiler_s, plan_s, used[0])
 
-    def _adopt(self, profile: StepProfile, iteration: int, reason: str) -> None:
+    def _adopt(self, profile: StepProfile, iteration: int) -> None:
         cfg = self.config
         budget = resolve_budget(self.budget, profile, oom_factor=self.oom_factor)
         if self.oom_factor < 1.0:
@@ -146,19 +146,19 @@ class SwapManager:
         self.plan, self.last_profile = plan, profile
         self.plan_version += 1
         self.reference = profile.signature
-        self.reprofile = False
-        record = {"rank": self.rank, "iteration": iteration, "reason": reason,
+        record = {"rank": self.rank, "iteration": iteration, "reason": self.reprofile,
                   "version": self.plan_version, "budget_bytes": plan.budget_bytes,
                   "no_swap_peak_bytes": plan.no_swap_peak_bytes,
                   "planned_peak_bytes": plan.planned_peak_bytes,
                   "planned_out_bytes": plan.planned_out_bytes, "tensors": len(plan.decisions),
                   "expected_stall_s": plan.expected_stall_s, "optimal": plan.optimal}
+        self.reprofile = None
         (logger.warning if plan.expected_stall_s > 0 else logger.info)("swap plan %s", record)
 
     def _on_oom(self, iteration: int) -> None:
         freed = self.executor.evict(1 << 62)
         self.oom_factor *= self.config.oom_backoff
-        self.reprofile = True
+        self.reprofile = "oom"
         self.totals.ooms += 1
         logger.warning("swap oom %s", {"rank": self.rank, "iteration": iteration,
                                        "evicted_bytes": freed, "budget_factor": self.oom_factor})
@@ -183,7 +183,7 @@ class SwapManager:
             "blocking_swapins": c.blocking_swapins,
             "forced_swaps": c.forced_swaps,
             "budget_waits": c.budget_waits,
-            "oom_evictions": c.oom_evictions,
+            "evictions": c.evictions,
             "sequence_changed": changed,
             "profiler_s": profiler_s,
             "plan_s": plan_s,

@@ -50,7 +50,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no linear biases")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -143,10 +144,11 @@ def yaml_to_argv(parser: argparse.ArgumentParser, section: Mapping[str, Any]) ->
         if action is None or key.startswith("chameleon"):
             raise ConfigError(f"unknown key megatron.{key}: not a flag of this trainer")
         flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if not isinstance(value, bool):
                 raise ConfigError(f"megatron.{key}={value!r}: must be true or false")
-            argv += [flag] if value else []
+            # The flag stores the opposite of its default; give it when the value asks for that.
+            argv += [flag] if value != action.default else []
         elif value is None:
             continue
         elif isinstance(value, (list, tuple)):

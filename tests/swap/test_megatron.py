@@ -97,10 +97,11 @@ def test_seams_install_idempotently_and_remove_cleanly():
     assert (schedules.forward_step, schedules.backward_step) == wrapped != originals
     with pytest.raises(RuntimeError, match="already wrapped"):
         SwapSeams(StageTracker(), [run.model]).install()
-    run.step(0)
-    layers = {key[3] for key in seams.tracker.stats}
-    assert layers == {-1, 1, 2}
-    assert {key[0] for key in seams.tracker.stats} == {"F", "B"}
+    run.step(0, num_microbatches=3)
+    keys = seams.tracker.stats
+    assert {key[3] for key in keys} == {-1, 1, 2}
+    # Every backward was attributed to its microbatch through the forward's output.
+    assert {(key[0], key[1]) for key in keys} == {(p, m) for p in "FB" for m in range(3)}
     seams.remove()
     assert (schedules.forward_step, schedules.backward_step) == originals
     assert all(not m._forward_pre_hooks for m in run.model.modules())
