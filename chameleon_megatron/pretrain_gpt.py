@@ -26,6 +26,10 @@ logger = logging.getLogger("chameleon_megatron.pretrain_gpt")
 def build_plugins(cfg: ChameleonConfig) -> list["TrainerPlugin"]:
     """The Chameleon subsystems this run enables, in the order their hooks nest."""
     plugins: list["TrainerPlugin"] = []
+    if cfg.ft.enabled:  # outermost: its step time includes the others' work
+        from chameleon_megatron.resilience.plugin import ResiliencePlugin
+
+        plugins.append(ResiliencePlugin(cfg.ft))
     if cfg.swap.enabled:
         from chameleon_megatron.swap.plugin import SwapPlugin
 

@@ -103,7 +103,8 @@ def _table(cands: Candidates, record: dict[str, Any]) -> str:
 
     lines = [f"failed ranks {list(cands.failed_ranks)}   D = {record['D_s']:.0f} s   "
              f"B = {record['B']}   strategy {record['strategy']}",
-             f"{'candidate':<10}{'feasible':<10}{'t_step s':>10}{'t_trans s':>11}{'score':>10}  plan / reason"]
+             f"{'candidate':<10}{'feasible':<10}{'t_step s':>10}{'t_trans s':>11}"
+             f"{'score':>10}  plan / reason"]
     for row in record["candidates"]:
         detail = row["plan"] if row["feasible"] else row["reason"]
         lines.append(f"{row['name']:<10}{'yes' if row['feasible'] else 'no':<10}"

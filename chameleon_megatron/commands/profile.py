@@ -18,12 +18,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="build a decision-center profile JSON",
                               description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--metrics", metavar="FILE.jsonl", help="trainer metrics file (measured times)")
-    src.add_argument("--args", metavar="FILE.json", help="Megatron args as a JSON object (derived times)")
-    p.add_argument("--effective-tflops", type=float, help="with --args: achieved TFLOP/s per device")
+    src.add_argument("--metrics", metavar="FILE.jsonl",
+                     help="trainer metrics file (measured times)")
+    src.add_argument("--args", metavar="FILE.json",
+                     help="Megatron args as a JSON object (derived times)")
+    p.add_argument("--effective-tflops", type=float,
+                   help="with --args: achieved TFLOP/s per device")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument("--name", default=None, help="profile name (default: output file stem)")
-    p.add_argument("--skip", type=int, default=2, help="warm-up steps ignored per layout (default 2)")
+    p.add_argument("--skip", type=int, default=2,
+                   help="warm-up steps ignored per layout (default 2)")
     p.add_argument("--device-memory-gib", type=float, default=H100.device_memory_bytes / 2**30)
     p.add_argument("--p2p-gbs", type=float, default=H100.p2p_bandwidth_Bps / 1e9,
                    help="stage-to-stage bandwidth, GB/s")
@@ -71,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {args.output}: {profile.num_layers} layers, tp={profile.tp}, "
               f"layer fwd {layer.forward_s * 1e3:.3f} ms, bwd {layer.backward_s * 1e3:.3f} ms, "
-              f"state {layer.state_bytes / 2**20:.1f} MiB, act {layer.activation_bytes / 2**20:.1f} MiB")
+              f"state {layer.state_bytes / 2**20:.1f} MiB, "
+              f"act {layer.activation_bytes / 2**20:.1f} MiB")
         for row in report.get("calibration", {}).get("rows", []):
             print(f"  {row['layout']}: measured {row['measured_s']:.4f}s, "
                   f"model {row['estimated_s']:.4f}s ({row['rel_error']:+.2%})")

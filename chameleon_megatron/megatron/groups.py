@@ -94,3 +94,18 @@ def recovery_group(store: dist.Store, rank: int, size: int, *,
     if not 0 <= rank < size:
         raise ValueError(f"rank={rank}: must be in [0, {size})")
     return dist.ProcessGroupGloo(store, rank, size, _timedelta(timeout_s))
+
+
+def new_groups(rank_lists: list[tuple[int, ...]], *,
+               timeout_s: float) -> list[dist.ProcessGroup | None]:
+    """One group per list of world ranks, for layouts megatron's parallel state cannot
+    express (heterogeneous pipelines, rerouting). torch requires every rank of the world to
+    create every group, in the same order; the result holds this rank's handle for the groups
+    it belongs to and None for the others."""
+    delta = _timedelta(timeout_s)
+    me = dist.get_rank()
+    handles: list[dist.ProcessGroup | None] = []
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks), timeout=delta)
+        handles.append(group if me in ranks else None)
+    return handles

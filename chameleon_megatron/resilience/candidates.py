@@ -70,8 +70,8 @@ def reroute_candidate(current: Plan, dead: set[int], planner: Planner) -> Candid
         return Candidate(name=REROUTE, feasible=False, reason=str(exc))
     est = rp.estimate(planner.profile)
     if not est.fits_memory:
-        return Candidate(name=REROUTE, feasible=False,
-                         reason=f"peers need {est.peak_memory_bytes:.3g} B, more than device memory")
+        return Candidate(name=REROUTE, feasible=False, reason=(
+            f"peers need {est.peak_memory_bytes:.3g} B, more than device memory"))
     return Candidate(name=REROUTE, feasible=True, reason="ok", t_step_s=est.t_step_s,
                      t_transition_s=0.0, plan=current, reroute=rp)
 
@@ -94,8 +94,8 @@ def replan_candidate(holdings: Holdings, healthy: Sequence[tuple[int, ...]],
         lost = sorted({u for u, _ in restore.lost}, key=unit_order)
         return Candidate(feasible=False, reason=f"no surviving copy of {lost}: restart from "
                          "the last checkpoint", **common)
-    return Candidate(feasible=True, reason="ok", t_transition_s=transition_s(restore, planner.profile),
-                     **common)
+    return Candidate(feasible=True, reason="ok",
+                     t_transition_s=transition_s(restore, planner.profile), **common)
 
 
 def make_candidates(current: Plan, dead_ranks: Iterable[int], planner: Planner,
@@ -107,7 +107,8 @@ def make_candidates(current: Plan, dead_ranks: Iterable[int], planner: Planner,
     still serve their shards as transfer sources.
     """
     dead = set(dead_ranks)
-    groups = units if units is not None else [st.ranks for p in current.pipelines for st in p.stages]
+    groups = units if units is not None else [
+        st.ranks for p in current.pipelines for st in p.stages]
     broken = set(broken_units(groups, dead))
     healthy = [g for k, g in enumerate(groups) if k not in broken]
     return Candidates(

@@ -25,7 +25,7 @@ class ResilienceConfig:
     inject_fault: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"flag": "--chameleon-inject-fault"}
     )
-    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer,kind=exit|hang|exception'."""
+    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception'."""
     startup_timeout_s: float = 300.0
     """Process-group and heartbeat timeout until a step time has been measured (start-up, model build, checkpoint I/O)."""
     pg_timeout_factor: float = 5.0
@@ -36,6 +36,8 @@ class ResilienceConfig:
     """Steps measured (after the first, which is warm-up) before timeouts are derived from the step time."""
     node_timeout_s: float = 30.0
     """An agent (node) silent this long in the job store is declared lost with all its ranks."""
+    profile: str | None = None
+    """Decision-center profile JSON (``chameleon profile``); none: derived from the model and calibrated to the measured step time."""
 
     def __post_init__(self) -> None:
         check(self.mtbf_prior_s > 0, "ft.mtbf_prior_s", self.mtbf_prior_s, "must be > 0")

@@ -106,6 +106,16 @@ class FailureDetector:
     def beat(self, iteration: int | None = None) -> None:
         self._heartbeat.beat(self.timeouts.heartbeat_s, iteration)
 
+    def hold(self, seconds: float) -> None:
+        """Beat, allowing ``seconds`` of silence: before work that cannot beat (a checkpoint,
+        a model rebuild, a recovery's blocking waits)."""
+        self._heartbeat.beat(max(seconds, self.timeouts.heartbeat_s))
+
+    @property
+    def step_time(self) -> float | None:
+        """The step time of the current layout, once measured."""
+        return self._timer.step_time
+
     def step_done(self, iteration: int, seconds: float) -> None:
         """Record a step; once the step time is known, apply the derived timeouts."""
         had = self._timer.step_time

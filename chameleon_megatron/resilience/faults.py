@@ -1,11 +1,14 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
-A fault is written ``rank=R,iteration=I,phase=forward|backward|optimizer,kind=exit|hang|exception``
+A fault is written ``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception``
 (the ``--chameleon-inject-fault`` syntax, repeatable) or built with ``FaultInjector.fail_at``.
 
 * ``rank`` is the rank the launcher gave the process at start: it names a process, so it
   stays meaningful after a recovery has renumbered the survivors.
 * ``iteration`` is the 1-based number of the training step (the number the trainer logs).
+* ``phase``: forward, backward, optimizer fire inside that step (``fault_hooks``); recovery
+  fires inside the recovery that will redo step I, after the survivors' new groups are built
+  and before any state moves (a failure during recovery; the recovery controller calls it).
 * ``kind``: ``exit`` ends the process at once with ``INJECTED_EXIT_CODE`` (no clean-up, like a
   crash); ``hang`` blocks the calling thread forever (only a heartbeat timeout finds it);
   ``exception`` raises ``InjectedFault`` from the training code.
@@ -22,14 +25,14 @@ from typing import Iterable, Literal, get_args
 
 logger = logging.getLogger(__name__)
 
-Phase = Literal["forward", "backward", "optimizer"]
+Phase = Literal["forward", "backward", "optimizer", "recovery"]
 Kind = Literal["exit", "hang", "exception"]
 PHASES: tuple[str, ...] = get_args(Phase)
 KINDS: tuple[str, ...] = get_args(Kind)
 INJECTED_EXIT_CODE = 43
 """Exit status of a process ended by an injected ``exit`` fault."""
 
-_SYNTAX = "rank=R,iteration=I,phase=forward|backward|optimizer,kind=exit|hang|exception"
+_SYNTAX = "rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception"
 
 
 class InjectedFault(RuntimeError):

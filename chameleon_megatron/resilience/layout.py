@@ -116,7 +116,8 @@ class Plan:
             "pipelines": [
                 {
                     "microbatches": p.microbatches,
-                    "stages": [{"layers": list(s.layers), "ranks": list(s.ranks)} for s in p.stages],
+                    "stages": [{"layers": list(s.layers), "ranks": list(s.ranks)}
+                               for s in p.stages],
                 }
                 for p in self.pipelines
             ],
@@ -156,7 +157,8 @@ def _validate(plan: Plan) -> None:
             raise ValueError(f"pipeline {j} has no stage")
         for s, stage in enumerate(pipe.stages):
             if len(stage.ranks) != tp:
-                raise ValueError(f"pipeline {j} stage {s}: {len(stage.ranks)} ranks, expected tp={tp}")
+                raise ValueError(
+                    f"pipeline {j} stage {s}: {len(stage.ranks)} ranks, expected tp={tp}")
             for r in stage.ranks:
                 if r < 0 or r in seen:
                     raise ValueError(f"rank {r} is negative or appears in two slots")

@@ -26,7 +26,8 @@ class MtbfEstimator:
         if not self.prior_weight > 0:
             raise ValueError(f"prior_weight={self.prior_weight}: must be > 0")
 
-    def expected_s(self, failure_times: Sequence[float], now_s: float, start_s: float = 0.0) -> float:
+    def expected_s(self, failure_times: Sequence[float], now_s: float,
+                   start_s: float = 0.0) -> float:
         """D at ``now_s`` for a job started at ``start_s`` with failures at ``failure_times``."""
         if now_s < start_s:
             raise ValueError(f"now_s={now_s} is before start_s={start_s}")
@@ -34,4 +35,5 @@ class MtbfEstimator:
             if not start_s <= t <= now_s:
                 raise ValueError(f"failure time {t} is outside [{start_s}, {now_s}]")
         exposure = now_s - start_s
-        return (self.prior_weight * self.prior_s + exposure) / (self.prior_weight + len(failure_times))
+        weight = self.prior_weight
+        return (weight * self.prior_s + exposure) / (weight + len(failure_times))

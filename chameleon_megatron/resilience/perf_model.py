@@ -56,6 +56,11 @@ class StageCost:
     """Activations of one microbatch (Eq. 14's L_i m_a)."""
     grad_bytes: float
 
+    @property
+    def state_bytes(self) -> float:
+        """Parameters + optimizer state: what a migration moves."""
+        return self.static_bytes - self.grad_bytes
+
 
 def stage_cost(profile: Profile, units: Sequence[StateUnit]) -> StageCost:
     costs = [unit_cost(profile, u) for u in units]

@@ -27,7 +27,8 @@ class PlanCache:
     build_s: float
 
     @classmethod
-    def build(cls, current: Plan, planner: Planner, *, units: Sequence[tuple[int, ...]] | None = None,
+    def build(cls, current: Plan, planner: Planner, *,
+              units: Sequence[tuple[int, ...]] | None = None,
               pairs: bool = False) -> "PlanCache":
         """Precompute every single broken TP group (and every pair if ``pairs``)."""
         start = time.perf_counter()

@@ -122,7 +122,8 @@ class _Splits:
         starts = ends - np.array(counts)
         per = {k: cum[k][ends] - cum[k][starts] for k in cum}  # (n, depth) each
         emb, out = profile.embedding, profile.output
-        for key, e, o in (("f", emb.forward_s, out.forward_s), ("b", emb.backward_s, out.backward_s),
+        for key, e, o in (("f", emb.forward_s, out.forward_s),
+                          ("b", emb.backward_s, out.backward_s),
                           ("static", 2 * emb.param_bytes + emb.optimizer_bytes,
                            2 * out.param_bytes + out.optimizer_bytes),
                           ("act", emb.activation_bytes, out.activation_bytes),
@@ -294,8 +295,9 @@ class _Search:
         return self.timed_out
 
     def execute(self) -> None:
-        lo_d = max(1, self.n - self.opts.max_idle_units) if self.opts.max_idle_units is not None else 1
-        for D in range(self.n, lo_d - 1, -1):
+        idle = self.opts.max_idle_units
+        fewest = 1 if idle is None else max(1, self.n - idle)
+        for D in range(self.n, fewest - 1, -1):
             if self.M * self.p._work / D + self.overhead >= self.best or self._out_of_time():
                 break
             if self.opts.uniform:

@@ -190,5 +190,6 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def save_profile(profile: Profile, path: str | Path, model: Mapping[str, Any] | None = None) -> None:
+def save_profile(profile: Profile, path: str | Path,
+                 model: Mapping[str, Any] | None = None) -> None:
     Path(path).write_text(json.dumps(profile_to_dict(profile, model), indent=2) + "\n")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
 from chameleon_megatron.megatron import groups
-from chameleon_megatron.resilience.announce import failed_ranks, failure_count
+from chameleon_megatron.resilience.announce import failed_ranks
 from chameleon_megatron.resilience.job_store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ class Membership:
 
 class RegroupError(RuntimeError):
     """This generation cannot be formed (timeout, or this rank was declared failed)."""
+
+
+class DeclaredFailed(RegroupError):
+    """This rank was announced failed (e.g. too slow): it must leave, not retry."""
 
 
 def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable[int], *,
@@ -73,7 +77,7 @@ def _decided(value: bytes, generation: int, me: int) -> Membership:
     membership = Membership(generation=generation, members=tuple(data["members"]),
                             failed=frozenset(data["failed"]))
     if me not in membership.members:
-        raise RegroupError(f"generation {generation}: rank {me} was declared failed")
+        raise DeclaredFailed(f"generation {generation}: rank {me} was declared failed")
     return membership
 
 
@@ -92,16 +96,17 @@ def recovery_group(job: JobStore, membership: Membership, me: int, *, timeout_s:
                                  timeout_s=timeout_s)
 
 
-def wait_as_spare(job: JobStore, generation: int, seen_failures: int, *,
-                  on_wait: Callable[[], None], poll_s: float = 0.2) -> Literal["rejoin", "done"]:
-    """A spare of ``generation`` idles until the job ends, or it must join the next
-    generation: someone opened it, or a failure beyond ``seen_failures`` was announced."""
+def wait_as_spare(job: JobStore, generation: int, *, on_wait: Callable[[], None],
+                  poll_s: float = 0.2) -> Literal["rejoin", "done"]:
+    """A spare of ``generation`` idles until it must join the next generation (an active
+    member opened it) or the job ends. A failure alone is no reason to rejoin: when a spare
+    dies, no active member notices, and nobody else would come."""
     groups.destroy()
     following = job.scoped(f"gen/{generation + 1}")
     while True:
+        if following.check(["opened"]):
+            return "rejoin"
         if job.is_done():
             return "done"
-        if following.check(["opened"]) or failure_count(job) > seen_failures:
-            return "rejoin"
         on_wait()
         time.sleep(poll_s)

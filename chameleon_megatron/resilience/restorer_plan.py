@@ -31,7 +31,7 @@ Holdings = Mapping[int, tuple[int, Sequence[StateUnit]]]
 """Live rank -> (TP index, state units whose shard at that index it holds)."""
 
 
-def live_holdings(plan: Plan, dead_ranks: Sequence[int] | set[int]) -> dict[int, tuple[int, tuple[StateUnit, ...]]]:
+def live_holdings(plan: Plan, dead_ranks: Sequence[int] | set[int]) -> Holdings:
     """What the surviving ranks of ``plan`` hold."""
     dead = set(dead_ranks)
     return {r: h for r, h in plan.holdings().items() if r not in dead}
@@ -89,8 +89,10 @@ class RestorePlan:
             "bytes_moved": self.bytes_moved(),
             "assignment": [list(a) for a in self.assignment],
             "transfers": [[t.src, t.dst, t.layer, t.kind, t.bytes] for t in self.transfers],
-            "allreduce_groups": [{"ranks": list(g.ranks), "layers": list(g.layers), "bytes": g.bytes}
-                                 for g in self.groups],
+            "allreduce_groups": [
+                {"ranks": list(g.ranks), "layers": list(g.layers), "bytes": g.bytes}
+                for g in self.groups
+            ],
             "rounds": [list(r) for r in self.rounds],
         }
 

@@ -165,11 +165,11 @@ class RedundantComputation:
                 self.plan.pipelines[slot[0]].stages[slot[1]].ranks):
             j, s = slot
             pipe = self.plan.pipelines[j]
-            moved = stage_cost(self.planner.profile, pipe.stage_units(s)).static_bytes \
-                + stage_cost(self.planner.profile, pipe.stage_units((s + 1) % pipe.depth)).static_bytes
+            profile = self.planner.profile
+            moved = sum(stage_cost(profile, pipe.stage_units(k)).state_bytes
+                        for k in (s, (s + 1) % pipe.depth))  # the stage and its replica
             del self.absorbed[slot]
             self._update()
-            profile = self.planner.profile
             return Reaction(profile.regroup_s + moved / profile.transfer_bandwidth_Bps, True,
                             record={**record, "choice": "readmit"})
         return Reaction(0.0, False)

@@ -63,7 +63,8 @@ class SimConfig:
             check(getattr(self, name) >= 1, f"sim.{name}", getattr(self, name), "must be >= 1")
         check(self.horizon_s > 0, "sim.horizon_s", self.horizon_s, "must be > 0")
         check(self.mtbf_s > 0, "sim.mtbf_s", self.mtbf_s, "must be > 0")
-        check(self.repair_s is None or self.repair_s >= 0, "sim.repair_s", self.repair_s, "must be >= 0")
+        check(self.repair_s is None or self.repair_s >= 0, "sim.repair_s", self.repair_s,
+              "must be >= 0")
         for name in ("detect_s", "restart_s", "checkpoint_write_s"):
             check(getattr(self, name) >= 0, f"sim.{name}", getattr(self, name), "must be >= 0")
         check(self.checkpoint_interval_s is None or self.checkpoint_interval_s > 0,

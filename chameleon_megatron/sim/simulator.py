@@ -58,16 +58,18 @@ def make_strategy(name: str, config: SimConfig, s: Setup, planner: Planner) -> S
     if name == "redundant":
         return RedundantComputation(planner=planner, **common)
     policy = {"chameleon": "adaptive", "reroute": "reroute", "replan": "replan"}[name]
-    return InMemoryStrategy(name, policy, planner=planner, estimator=estimator,  # type: ignore[arg-type]
-                            **common)
+    return InMemoryStrategy(name, policy, planner=planner,  # type: ignore[arg-type]
+                            estimator=estimator, **common)
 
 
 def simulate(config: SimConfig, profile: Profile | None = None,
-             events: Sequence[Event] | None = None) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
+             events: Sequence[Event] | None = None,
+             ) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
     """(JSON report, per-strategy results with their throughput segments)."""
     s = setup(config, profile, events)
-    planner = Planner(s.profile, SearchOptions(min_depth=config.min_depth, max_depth=config.max_depth,
-                                               time_limit_s=config.search_time_limit_s))
+    options = SearchOptions(min_depth=config.min_depth, max_depth=config.max_depth,
+                            time_limit_s=config.search_time_limit_s)
+    planner = Planner(s.profile, options)
     ff_step = plan_step(s.plan, s.profile).t_step_s
     batch = s.profile.global_batch_size
     ff = batch / ff_step
@@ -102,6 +104,8 @@ def simulate(config: SimConfig, profile: Profile | None = None,
     }
     cham = results.get("chameleon")
     if cham is not None:
-        report["ratios"] = {f"chameleon/{k}": cham.avg_throughput / r.avg_throughput
-                            for k, r in results.items() if k != "chameleon" and r.avg_throughput > 0}
+        report["ratios"] = {
+            f"chameleon/{k}": cham.avg_throughput / r.avg_throughput
+            for k, r in results.items() if k != "chameleon" and r.avg_throughput > 0
+        }
     return report, results

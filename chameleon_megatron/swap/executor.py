@@ -135,12 +135,14 @@ class SwapExecutor:
         code = self._codes.get(op)
         if code is None:
             code = self._new_code(op)
-        ordinal, history = stats.count, stats.last
-        if self._profiling:
-            stats.add(code, nbytes)
         entry = self._entries.get(key)
         if entry is not None and entry.ref() is storage:
+            if self._profiling:
+                stats.add(code, nbytes)
             return self._attach(entry, t)
+        ordinal, history = len(stats.codes), stats.history()
+        if self._profiling:
+            stats.add(code, nbytes)
         return self._new_entry(t, storage, key, nbytes, stats, code, ordinal, history)
 
     def _new_entry(self, t: torch.Tensor, storage: Any, key: int, nbytes: int,

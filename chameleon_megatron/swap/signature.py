@@ -1,7 +1,8 @@
 """Lightweight-mode profiler: a per-stage signature of the saved-tensor operator sequence.
 
-Each stage keeps the number of saved tensors, their bytes and a rolling hash of the
-sequence of (producing operator, dtype) codes. Comparing two steps' signatures is a pure
+Each stage keeps the sequence of (producing operator, dtype) codes of its saved tensors
+and their bytes; the end of the step reduces them to a count, the bytes and a hash of the
+ordered codes. Comparing two steps' signatures is a pure
 function: a stage whose count or operator hash differs has changed, even when it has the
 same number of operators in a different order or with different operators; a stage whose
 bytes moved by more than a relative tolerance has changed size (sequence length). MoE
@@ -17,32 +18,32 @@ from typing import Mapping
 StageKey = tuple[str, int, int, int]
 """(phase 'F' or 'B', microbatch, model chunk, transformer layer number or -1 outside layers)."""
 
-_PRIME = 1_000_003
-_MASK = (1 << 61) - 1
-
 
 class StageStats:
     """Mutable accumulator of one stage in the current step (the hot path updates it)."""
 
-    __slots__ = ("key", "count", "nbytes", "digest", "last", "occurrences")
+    __slots__ = ("key", "codes", "nbytes", "occurrences")
 
     def __init__(self, key: StageKey) -> None:
         self.key = key
-        self.count = 0
+        self.codes: list[int] = []
         self.nbytes = 0
-        self.digest = 0
-        self.last = 0  # the previous two operator codes, packed, for matching
         self.occurrences: dict[tuple[int, int], int] = {}
+        """Saved storages so far per (operator code, history), for matching."""
 
     def add(self, code: int, nbytes: int) -> None:
         """Account one saved tensor produced by operator ``code`` (called per pack)."""
-        self.count += 1
+        self.codes.append(code)  # hashed once at the end of the step: cheaper than rolling
         self.nbytes += nbytes
-        self.digest = (self.digest * _PRIME + code) & _MASK
-        self.last = ((self.last << 16) | code) & 0xFFFFFFFF
+
+    def history(self) -> int:
+        """The two most recent operator codes of the stage, packed in one int."""
+        codes = self.codes
+        return ((codes[-2] if len(codes) > 1 else 0) << 16) | (codes[-1] if codes else 0)
 
     def freeze(self) -> StageSignature:
-        return StageSignature(count=self.count, nbytes=self.nbytes, digest=self.digest)
+        return StageSignature(count=len(self.codes), nbytes=self.nbytes,
+                              digest=hash(tuple(self.codes)))
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class StageSignature:
     nbytes: int
     """Their storage bytes."""
     digest: int
-    """Rolling hash of the ordered (operator, dtype) codes."""
+    """Hash of the ordered (operator, dtype) codes (ints hash the same in every process)."""
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def worker_main(out: Path) -> int:
             assert detector.wait_for_failures(timeout_s=20), "no failure announced"
         else:
             log.append({"gen": generation, "spare": True})
-            if wait_as_spare(job, generation, detector.seen, on_wait=detector.beat) == "done":
+            if wait_as_spare(job, generation, on_wait=detector.beat) == "done":
                 break
             detector.new_failures()
         generation += 1

@@ -124,6 +124,7 @@ def test_invariants_on_random_profiles(seed):
         assert max(curve) <= budget
         assert plan.planned_peak_bytes == max(curve)
         assert plan.no_swap_peak_bytes == max(no_swap)
+        assert plan.lower_bound_bytes <= plan.planned_out_bytes
         for d in plan.decisions:
             r = p.records[d.uid]
             assert r.swappable and r.nbytes >= min_bytes and d.nbytes == r.nbytes

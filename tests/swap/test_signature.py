@@ -28,7 +28,7 @@ def test_same_sequence_is_unchanged():
 def test_reordered_operators_of_equal_count_and_bytes_are_a_change():
     ref = _sig({A: [(1, 100), (2, 100)], B: [(1, 10)]})
     cur = _sig({A: [(2, 100), (1, 100)], B: [(1, 10)]})
-    assert ref.stages[A].count == cur.stages[A].count and ref.stages[A].nbytes == cur.stages[A].nbytes
+    assert (ref.stages[A].count, ref.stages[A].nbytes) == (cur.stages[A].count, cur.stages[A].nbytes)
     assert changed_stages(ref, cur, 0.5) == (A,)
 
 
@@ -59,4 +59,4 @@ def test_history_holds_the_two_previous_codes():
     s = StageStats(A)
     for code in (5, 6, 7):
         s.add(code, 1)
-    assert s.last == (6 << 16) | 7
+    assert s.history() == (6 << 16) | 7

@@ -1,0 +1,322 @@
+"""The recovery controller: what a surviving rank does between a failed step and its redo.
+
+    abandon the step -> wait for the announcement -> survivors meet under a new generation
+    -> agree on the newest completed step -> the leader asks the decision center
+    -> recovery group; active members: new world, megatron groups, fresh model/optimizer
+    -> state moves from surviving replicas (old state kept until every transfer is
+       confirmed) -> LR schedule, data position, RNG -> "redo"
+
+Survivors without a slot wait as spares and join the next generation (or stop at the end of
+the job). When some state has no surviving copy, the new layout loads the last checkpoint
+instead. A failure during any of this fails the attempt on every member; they retry under the
+next generation from the state they held at the failure. The recovery's side effects (groups,
+rebuild, transfers) happen here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.resilience import runtime_state
+from chameleon_megatron.resilience.announce import failure_count, read_failures
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.detector import (
+    FailureDetector, NcclAbortWatcher, Timeouts, is_communication_error,
+)
+from chameleon_megatron.resilience.faults import FaultInjector
+from chameleon_megatron.resilience.job_store import JobStore
+from chameleon_megatron.resilience.layer_state import ModelState
+from chameleon_megatron.resilience.layout import UniformLayout
+from chameleon_megatron.resilience.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.recovery_plan import (
+    NoRecoveryPlan, RecoveryDecision, decide, uniform_plan,
+)
+from chameleon_megatron.resilience.recovery_record import PhaseClock, recovery_record, summary
+from chameleon_megatron.resilience.regroup import (
+    DeclaredFailed, Membership, RegroupError, agree_membership, join_world, recovery_group,
+    wait_as_spare,
+)
+from chameleon_megatron.resilience.runtime_profile import hardware_for, runtime_profile
+from chameleon_megatron.resilience.runtime_state import Agreed, RunState
+from chameleon_megatron.resilience.transfer import MigrationError, migrate
+from chameleon_megatron.training.plugin import StepAction
+from chameleon_megatron.training.rng import rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+class RecoveryFailed(RuntimeError):
+    """The job cannot continue in memory or from a checkpoint (said on every member)."""
+
+
+class _NoState:
+    """The state view of a member holding no model (a spare)."""
+
+    def tensors(self, unit: Any, kind: str) -> dict[str, torch.Tensor]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a member brings into a recovery: its run state and its old model state, which
+    stays alive (and unchanged) until the recovery has completed."""
+
+    run: RunState
+    view: Any
+    keep: tuple = ()
+
+    @classmethod
+    def of(cls, trainer: Any) -> Held:
+        run = RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
+                       scheduler=trainer.scheduler.state_dict(), rng=rng_state())
+        return cls(run, ModelState(trainer.model, trainer.optimizer, role="source"),
+                   (trainer.model, trainer.optimizer))
+
+    @classmethod
+    def nothing(cls) -> Held:
+        return cls(RunState(iteration=-1, consumed_samples=0), _NoState())
+
+
+class RecoveryController:
+    """One rank's recoveries over a job: its generation, the members and the layout."""
+
+    def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
+                 ft: ResilienceConfig, me: int, layout: UniformLayout, backend: str) -> None:
+        self.job = job
+        self.detector = detector
+        self.injector = injector
+        self.ft = ft
+        self.me = me
+        self.backend = backend
+        self.layout = layout
+        self.active: tuple[int, ...] = tuple(range(layout.world_size))
+        """Launch ranks of the current world, in world-rank order."""
+        self.members = self.active
+        """Every survivor of the last generation (spares included)."""
+        self.generation = 0
+        self.known_failed: frozenset[int] = frozenset()
+        self.started_at = time.time()
+        self.estimated_step_s: float | None = None
+        self.last_regroup_s: float | None = None
+        self.watcher = NcclAbortWatcher(job).start() if backend == "nccl" else None
+
+    def _keepalive(self) -> None:
+        self.detector.hold(self.ft.startup_timeout_s)
+
+    # ----------------------------------------------------------------------- entry
+    def handle(self, exc: BaseException, trainer: Any) -> StepAction | None:
+        """A step raised ``exc``: recover and say what the trainer does next (None: this
+        rank's own error, it must die and be announced)."""
+        if not is_communication_error(exc):
+            logger.error("local error in the step (%s: %s): leaving, to be announced failed",
+                         type(exc).__name__, exc)
+            return None
+        abandoned = time.time()
+        timeouts = self.detector.timeouts
+        if not self.detector.wait_for_failures(timeouts.rendezvous_s):
+            logger.error("communication error but no failure announced within %.1f s: "
+                         "leaving (%s)", timeouts.rendezvous_s, exc)
+            return None
+        held = Held.of(trainer)
+        while True:
+            if self._recover(trainer, held, timeouts, abandoned):
+                return "redo"
+            if wait_as_spare(self.job, self.generation, on_wait=self.detector.beat) == "done":
+                # A spare holds no part of the model: it must not join the final checkpoint.
+                trainer.args = copy.copy(trainer.args)
+                trainer.args.save = None
+                return "stop"
+            held, abandoned, timeouts = Held.nothing(), time.time(), self.detector.timeouts
+
+    def metrics(self) -> dict[str, Any]:
+        return {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
+
+    def close(self, *, finished: bool) -> None:
+        if finished:
+            self.job.mark_done()
+        if self.watcher is not None:
+            self.watcher.stop()
+
+    # ----------------------------------------------------------------------- attempts
+    def _recover(self, trainer: Any, held: Held, timeouts: Timeouts, abandoned: float) -> bool:
+        """Recover under successive generations until one succeeds; True when this rank is
+        active in the new layout, False when it is a spare."""
+        clock: PhaseClock | None = None
+        while True:
+            self.generation += 1
+            before = failure_count(self.job)
+            try:
+                membership = agree_membership(self.job, self.generation, self.me, self.members,
+                                              timeout_s=timeouts.rendezvous_s,
+                                              on_wait=self._keepalive)
+                if clock is None:
+                    clock = PhaseClock(self._failed_at(membership, abandoned))
+                    clock.mark("detect", abandoned)
+                self.members = membership.members
+                return self._attempt(trainer, held, timeouts, membership, clock)
+            except (DeclaredFailed, RecoveryFailed):
+                raise
+            except (RegroupError, MigrationError, RuntimeError) as exc:
+                retry = isinstance(exc, (RegroupError, MigrationError)) or \
+                    is_communication_error(exc)
+                if not retry or not self._new_failure_since(before, timeouts.rendezvous_s):
+                    raise
+                logger.warning("recovery under generation %d failed (%s): retrying with the "
+                               "state held at the failure", self.generation, exc)
+
+    def _failed_at(self, membership: Membership, abandoned: float) -> float:
+        new = membership.failed - self.known_failed
+        times = [f.failed_at for f in read_failures(self.job) if f.rank in new]
+        return min(times, default=abandoned)
+
+    def _new_failure_since(self, count: int, timeout_s: float) -> bool:
+        """Whether a failure beyond the first ``count`` is (or gets) announced: an attempt
+        that failed without one has no reason to succeed when retried."""
+        deadline = time.monotonic() + timeout_s
+        while failure_count(self.job) <= count:
+            if time.monotonic() > deadline:
+                return False
+            self._keepalive()
+            time.sleep(0.05)
+        return True
+
+    def _attempt(self, trainer: Any, held: Held, timeouts: Timeouts, membership: Membership,
+                 clock: PhaseClock) -> bool:
+        scope = self.job.scoped(f"gen/{membership.generation}")
+        runtime_state.publish(scope, self.me, held.run)
+        states = runtime_state.read_all(scope, membership.members, timeouts.rendezvous_s)
+        agreed = runtime_state.agree(states)
+        decision = self._decision(trainer, scope, membership, agreed, timeouts)
+        clock.mark("decide")
+        self._keepalive()
+        group = recovery_group(self.job, membership, self.me, timeout_s=timeouts.rendezvous_s)
+        active = self.me in decision.active
+        if active:
+            self._rebuild(trainer, membership, decision, timeouts)
+        else:
+            groups.destroy()
+        clock.mark("regroup")
+        self.injector.check(agreed.iteration + 1, "recovery")
+        moved = 0
+        if decision.fallback is not None:
+            if active:
+                self._load_checkpoint(trainer)
+        else:
+            sink = ModelState(trainer.model, trainer.optimizer, role="sink") if active else _NoState()
+            report = migrate(group, membership.members, self.me, decision.transfers,
+                             old=held.view, new=sink, timeout_s=timeouts.rendezvous_s,
+                             store=self.job.scoped(f"gen/{membership.generation}/migrate"))
+            moved = _group_sum(group, report.sent_bytes)
+            if active:
+                _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
+        clock.mark("migrate")
+        self._finish(trainer, membership, decision, clock, moved, active)
+        return active
+
+    # ----------------------------------------------------------------------- the steps
+    def _decision(self, trainer: Any, scope: Any, membership: Membership, agreed: Agreed,
+                  timeouts: Timeouts) -> RecoveryDecision:
+        """The leader (the lowest fresh member: it trained the current layout up to now and
+        measured its step time) decides for everyone and publishes the decision."""
+        if self.me == agreed.fresh[0]:
+            scope.set("decision", json.dumps(self._decide(trainer, membership, agreed)))
+        scope.wait(["decision"], datetime.timedelta(seconds=timeouts.rendezvous_s))
+        data = json.loads(scope.get("decision"))
+        if "error" in data:
+            raise RecoveryFailed(f"generation {membership.generation}: {data['error']}")
+        return RecoveryDecision.from_dict(data)
+
+    def _decide(self, trainer: Any, membership: Membership, agreed: Agreed) -> dict[str, Any]:
+        args = trainer.args
+        current = uniform_plan(self.layout, self.active, args.num_layers,
+                               args.global_batch_size // args.micro_batch_size)
+        try:
+            profile = runtime_profile(args, path=self.ft.profile,
+                                      hardware=hardware_for(trainer.device), plan=current,
+                                      step_time_s=self.detector.step_time,
+                                      regroup_s=self.last_regroup_s)
+            decision = decide(current, alive=membership.members, stale=agreed.stale,
+                              profile=profile, d_s=self._expected_time_to_failure(),
+                              strategy=self.ft.strategy)
+        except (NoRecoveryPlan, ValueError) as exc:
+            logger.error("no recovery plan: %s", exc)
+            return {"error": str(exc)}
+        return decision.to_dict()
+
+    def _expected_time_to_failure(self) -> float:
+        """D of Eq. 8 from the prior MTBF and this job's failures (clock skew clamped)."""
+        now = time.time()
+        times = [min(max(f.failed_at, self.started_at), now) for f in read_failures(self.job)]
+        return MtbfEstimator(prior_s=self.ft.mtbf_prior_s).expected_s(times, now, self.started_at)
+
+    def _rebuild(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
+                 timeouts: Timeouts) -> None:
+        lay = decision.layout
+        rank = decision.active.index(self.me)
+        join_world(self.job, membership, rank, lay.world_size, backend=self.backend,
+                   timeout_s=timeouts.rendezvous_s)
+        groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
+        self._keepalive()
+        trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=lay.world_size)
+
+    def _load_checkpoint(self, trainer: Any) -> None:
+        path = trainer.args.save or trainer.args.load
+        if not path or not trainer.load(path):
+            raise RecoveryFailed(f"some state has no surviving copy and there is no checkpoint "
+                                 f"to fall back to (--save/--load: {path!r})")
+        if trainer.env.rank == 0:
+            logger.warning("some state has no surviving copy: resumed from the checkpoint of "
+                           "iteration %d under %s", trainer.iteration, path)
+
+    def _finish(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
+                clock: PhaseClock, moved: int, active: bool) -> None:
+        new = membership.failed - self.known_failed
+        failures = [f for f in read_failures(self.job) if f.rank in new]
+        self.known_failed = membership.failed
+        self.layout, self.active = decision.layout, decision.active
+        self.estimated_step_s = decision.estimated_step_s
+        self.detector.new_layout()
+        if self.watcher is not None:
+            self.watcher.rearm()
+        phases = clock.phases()
+        self.last_regroup_s = phases["regroup"]
+        if not active:
+            logger.info("rank %d waits as a spare (generation %d)", self.me, self.generation)
+            return
+        groups.set_timeouts(self.detector.timeouts.pg_s)
+        lay = decision.layout
+        record = recovery_record(
+            generation=membership.generation, failures=failures, decision=dict(decision.record),
+            phases=phases, layout_after={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+                                         "ranks": list(decision.active)},
+            spares=decision.spares, redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
+            fallback=decision.fallback)
+        trainer.emit(record)
+        if trainer.env.rank == 0:
+            logger.info(summary(record))
+
+
+def _resume_at(trainer: Any, agreed: Agreed, states: dict[int, RunState],
+               donor: int | None) -> None:
+    """The run state of the newest completed step: position, LR schedule, RNG streams."""
+    trainer.iteration = agreed.iteration
+    trainer.consumed_samples = agreed.consumed_samples
+    trainer.scheduler.load_state_dict(agreed.scheduler)  # a fresh schedule: adds its steps
+    if donor is not None:
+        set_rng_state(states[donor].rng)
+
+
+def _group_sum(group: Any, value: int) -> int:
+    total = torch.tensor([value], dtype=torch.int64)
+    group.allreduce([total]).wait()
+    return int(total.item())
+
