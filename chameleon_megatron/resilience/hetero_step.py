@@ -1,0 +1,163 @@
+"""Training a plan whose pipelines have different depths, layer splits and microbatch shares.
+
+``build_runtime`` gives each rank its stage (``hetero_model``), its groups
+(``hetero_groups``), the per-layer gradient sync (``hetero_sync``) and the optimizer
+(``hetero_optim``). ``run_hetero_step`` runs megatron-core's 1F1B schedule in each pipeline
+over the pipeline's own group, with the sync as the schedule's ``finalize_model_grads_func``,
+then the optimizer step. The global batch is the failure-free one: global microbatch g holds
+samples ``consumed + g * micro ...``, each pipeline runs its share of them
+(``microbatch_ids``), and the loss is the sum of per-token losses divided once by the global
+token count, so the step computes what the failure-free step computes.
+
+The same runtime, built with ``pipelines=False`` and the dead ranks, serves rerouting
+(``reroute_step``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from chameleon_megatron.resilience.hetero_groups import PlanGroups, build_plan_groups
+from chameleon_megatron.resilience.hetero_model import Slot, build_stage_model, check_supported
+from chameleon_megatron.resilience.hetero_optim import PlanOptimizer
+from chameleon_megatron.resilience.hetero_sync import GradSync, sync_spec
+from chameleon_megatron.resilience.layout import Plan
+from chameleon_megatron.resilience.restorer_plan import AllReduceGroup
+from chameleon_megatron.training import data
+from chameleon_megatron.training.step import StepResult, loss_func
+
+Batches = Callable[[int], dict]
+"""Global microbatch index of the step -> its batch (tokens, labels, loss_mask, position_ids)."""
+
+
+def microbatch_ids(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """Global microbatch indices of each pipeline, dealt out in turn to the pipelines with
+    room left. With equal shares this is megatron's data-parallel order (microbatch k of
+    pipeline j is global microbatch k P + j), so a kept layout sees the same data."""
+    left = [p.microbatches for p in plan.pipelines]
+    ids: list[list[int]] = [[] for _ in left]
+    g = 0
+    while g < plan.microbatches:
+        for j in range(len(left)):
+            if left[j]:
+                ids[j].append(g)
+                left[j] -= 1
+                g += 1
+    return tuple(tuple(x) for x in ids)
+
+
+def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.device) -> Batches:
+    """The batches of the step that starts after ``consumed`` samples (training.data's order)."""
+    def batch(g: int) -> dict:
+        return next(data.step_iterator(dataset, consumed + g * micro, micro=micro, dp=1,
+                                       dp_rank=0, num_microbatches=1, device=device))
+    return batch
+
+
+def forward_step(data_iterator: Iterator[dict], model: GPTModel):
+    """The trainer's forward step, with the cross entropy computed here: megatron's reads the
+    global tensor-parallel group, which a plan does not set up."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None)
+    return output, partial(_loss, batch["labels"], batch["loss_mask"])
+
+
+def _loss(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
+    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return loss_func(loss_mask, losses.view_as(labels))
+
+
+@dataclass
+class PlanRuntime:
+    """What one rank needs to train its slot of a plan."""
+
+    args: argparse.Namespace
+    plan: Plan
+    me: int
+    """This rank's id in the plan."""
+    dead: frozenset[int]
+    model: GPTModel
+    optimizer: PlanOptimizer
+    sync: GradSync
+    groups: PlanGroups
+    p2p: P2PCommunicator | None
+    """megatron's communicator over this rank's pipeline (None: depth 1 or rerouting)."""
+
+    @property
+    def slot(self) -> Slot:
+        return self.groups.slot
+
+    def schedule_groups(self) -> ProcessGroupCollection:
+        return ProcessGroupCollection(tp=self.groups.solo, cp=self.groups.solo,
+                                      pp=self.groups.pipeline, embd=None, pos_embd=None,
+                                      dp_cp=None)
+
+
+def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
+                  sync_groups: Sequence[AllReduceGroup], sync_rounds: Sequence[Sequence[int]],
+                  world: Mapping[int, int], dead: frozenset[int] = frozenset(),
+                  pipelines: bool = True, timeout_s: float) -> PlanRuntime:
+    """Groups, stage model (megatron's random init: load the state next), sync, optimizer.
+
+    ``sync_groups``/``sync_rounds``: the restorer's all-reduce groups and DSATUR rounds for
+    ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer_plan.allreduce_groups``);
+    ``world``: plan rank -> world rank of every live rank. Collective over the world."""
+    check_supported(args, plan)
+    if pipelines and dead:
+        raise ValueError(f"dead ranks {sorted(dead)}: heterogeneous pipelines must be whole "
+                         "(rerouting runs with pipelines=False)")
+    spec = sync_spec(plan, sync_groups, sync_rounds, dead=dead,
+                     tied=not args.untie_embeddings_and_output_weights)
+    groups = build_plan_groups(plan, me, spec, world=world, pipelines=pipelines,
+                               timeout_s=timeout_s)
+    model = build_stage_model(args, plan, groups.slot, groups.solo)
+    sync = GradSync(model, spec, me, groups.rounds, groups.tied)
+    optimizer = PlanOptimizer(model, args, sync.grad_norm)
+    model.config.finalize_model_grads_func = sync
+    model.config.grad_scale_func = None
+    depth = plan.pipelines[groups.slot.pipeline].depth
+    p2p = P2PCommunicator(groups.pipeline, model.config) if pipelines and depth > 1 else None
+    return PlanRuntime(args=args, plan=plan, me=me, dead=dead, model=model,
+                       optimizer=optimizer, sync=sync, groups=groups, p2p=p2p)
+
+
+def run_hetero_step(rt: PlanRuntime, batches: Batches) -> StepResult:
+    """One training step of ``rt.plan``: this rank's pipeline runs megatron's 1F1B over its
+    microbatches, gradients are synced per layer, the optimizer steps. The LR scheduler is
+    the caller's (as in the trainer)."""
+    if rt.p2p is None and rt.groups.pipeline is None:
+        raise ValueError("this runtime was built for rerouting (pipelines=False)")
+    ids = microbatch_ids(rt.plan)[rt.slot.pipeline]
+    depth = rt.plan.pipelines[rt.slot.pipeline].depth
+    rt.optimizer.zero_grad()
+    schedule = get_forward_backward_func(pp_size=depth, vp_size=None)
+    reports = schedule(
+        forward_step_func=forward_step, data_iterator=(batches(g) for g in ids),
+        model=rt.model, num_microbatches=len(ids), seq_length=rt.args.seq_length,
+        micro_batch_size=rt.args.micro_batch_size, forward_only=False,
+        p2p_communicator=rt.p2p, pg_collection=rt.schedule_groups(),
+    )
+    return finish_step(rt, reports)
+
+
+def finish_step(rt: PlanRuntime, reports: list[dict]) -> StepResult:
+    """Optimizer step (gradients already synced), then the global loss for the record."""
+    applied, norm, _ = rt.optimizer.step()
+    totals = torch.zeros(2, dtype=torch.float64)
+    for r in reports:
+        totals += r["lm loss"].detach().to("cpu", torch.float64)
+    dist.all_reduce(totals)
+    loss_sum, tokens = totals.tolist()
+    return StepResult(loss=loss_sum / tokens if tokens else None, tokens=int(tokens),
+                      grad_norm=norm, skipped=not applied)
