@@ -52,8 +52,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     platform = CpuPlatform()
     platform.apply()  # before megatron-core is imported (see its torch.compile note)
+    from chameleon_megatron.megatron.te_absent import TeAbsentPatch
     from chameleon_megatron.training import distributed
     from chameleon_megatron.training.trainer import Trainer
+
+    te_absent = TeAbsentPatch()
+    te_absent.apply()
 
     trainer = Trainer(args, cfg, build_plugins(cfg), env)
     try:
@@ -62,6 +66,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     finally:
         trainer.close()
         distributed.shutdown()
+        te_absent.remove()
         platform.remove()
 
 

@@ -87,9 +87,10 @@ def swap_plugin(model: torch.nn.Module, device: torch.device, cfg: SwapConfig):
     return plugin
 
 
-def train(model, opt, a: argparse.Namespace, device: torch.device, steps: int,
-          wrap: Callable[[int], contextlib.AbstractContextManager]) -> dict[str, float]:
-    """``steps`` iterations; median step time of all but the first two, peak memory."""
+def train(model, opt, a: argparse.Namespace, device: torch.device, steps: int, *,
+          plugin=None, context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, float]:
+    """``steps`` iterations (an OOM step is redone when the swap plugin asks for it);
+    median step time of all but the first two, peak memory."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data, m):
@@ -104,14 +105,22 @@ def train(model, opt, a: argparse.Namespace, device: torch.device, steps: int,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for it in range(steps):
-        data = iter([torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device=device,
-                                   generator=gen) for _ in range(a.microbatches)])
+        data = [torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device=device,
+                              generator=gen) for _ in range(a.microbatches)]
         _sync(device)
         start = time.perf_counter()
-        with wrap(it):
-            fb(forward_step_func=forward_step, data_iterator=data, model=model,
-               num_microbatches=a.microbatches, seq_length=a.seq,
-               micro_batch_size=a.micro_batch, forward_only=False)
+        while True:
+            try:
+                step_context = plugin.step_context(it, training=True) if plugin else context()
+                with step_context:
+                    fb(forward_step_func=forward_step, data_iterator=iter(data), model=model,
+                       num_microbatches=a.microbatches, seq_length=a.seq,
+                       micro_batch_size=a.micro_batch, forward_only=False)
+                break
+            except torch.OutOfMemoryError as exc:
+                if plugin is None or plugin.on_step_failed(exc, None) != "redo":
+                    raise
+                opt.zero_grad(set_to_none=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
@@ -148,21 +157,15 @@ def throughput(a: argparse.Namespace, device: torch.device) -> None:
             runs[name] = {"skipped": "needs TransformerEngine (not on this machine)"}
             continue
         model, opt = build(a, a.layers, device, **extra)
-        plugin = None
+        plugin, context = None, contextlib.nullcontext
         if name == "save_on_cpu":
-            def wrap(it):
+            def context():
                 return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
         elif name == "chameleon swap":
             plugin = swap_plugin(model, device, SwapConfig(
                 enabled=True, budget_fraction=0.5, min_tensor_bytes=a.min_tensor_bytes))
-
-            def wrap(it):
-                return plugin.step_context(it, training=True)
-        else:
-            def wrap(it):
-                return contextlib.nullcontext()
         try:
-            runs[name] = train(model, opt, a, device, a.steps, wrap)
+            runs[name] = train(model, opt, a, device, a.steps, plugin=plugin, context=context)
         except (RuntimeError, AssertionError, ValueError) as exc:  # report, go on with the rest
             runs[name] = {"skipped": f"{type(exc).__name__}: {str(exc)[:120]}"}
         if plugin is not None:
@@ -178,7 +181,8 @@ def throughput(a: argparse.Namespace, device: torch.device) -> None:
             print(f"  {name:20s} skipped: {r['skipped']}")
             continue
         rel = f"{100 * r['tokens_per_s'] / base:6.1f} % of no swap" if base else ""
-        print(f"  {name:20s} {r['tokens_per_s']:10.0f} tokens/s  peak {r['peak_gib']:7.2f} GiB  {rel}")
+        print(f"  {name:20s} {r['tokens_per_s']:10.0f} tokens/s  "
+              f"peak {r['peak_gib']:7.2f} GiB  {rel}")
     swap = runs.get("chameleon swap", {}).get("swap")
     if swap:
         print("  swap: " + ", ".join(f"{k}={swap[k]}" for k in (
@@ -195,10 +199,15 @@ def capacity(a: argparse.Namespace, device: torch.device) -> None:
     print(f"\n== capacity: device memory capped at {a.cap_gib} GiB of {total / 2**30:.0f} GiB")
     best = {"no swap": 0.0, "full recompute": 0.0, "chameleon swap": 0.0}
     for layers in a.capacity_layers:
-        model, opt = build(a, layers, device)
-        need = train(model, opt, a, device, 3, lambda it: contextlib.nullcontext())["peak_gib"]
-        del model, opt
-        _free()
+        try:
+            model, opt = build(a, layers, device)
+            need = train(model, opt, a, device, 3)["peak_gib"]
+        except torch.OutOfMemoryError:
+            print(f"  {layers:3d} layers: too big to measure uncapped; stopping")
+            break
+        finally:
+            model = opt = None
+            _free()
         ratio = need * 2**30 / cap
         row = [f"  {layers:3d} layers: needs {need:7.2f} GiB uncapped = {ratio:5.2f} x cap;"]
         torch.cuda.set_per_process_memory_fraction(cap / total, device)
@@ -212,9 +221,7 @@ def capacity(a: argparse.Namespace, device: torch.device) -> None:
                     plugin = swap_plugin(model, device, SwapConfig(
                         enabled=True, budget_device_fraction=0.9 * cap / total,
                         min_tensor_bytes=a.min_tensor_bytes))
-                wrap = (lambda it: plugin.step_context(it, training=True)) if plugin else (
-                    lambda it: contextlib.nullcontext())
-                train(model, opt, a, device, 4, wrap)
+                train(model, opt, a, device, 4, plugin=plugin)
                 best[name] = max(best[name], ratio)
                 row.append(f" {name}: ok")
             except (torch.OutOfMemoryError, ValueError) as exc:

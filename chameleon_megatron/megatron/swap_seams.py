@@ -119,7 +119,8 @@ class SwapSeams:
         return backward_step
 
 
-def transformer_layers(model_chunks: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, int]]:
+def transformer_layers(
+        model_chunks: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, int]]:
     """(layer, global layer number) of every megatron ``TransformerLayer`` in the chunks."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 

@@ -141,6 +141,9 @@ class RecoveryController:
         return {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
 
     def close(self, *, finished: bool) -> None:
+        # Tearing down can take a group timeout (gloo joins threads still blocked on a dead
+        # peer from an abandoned step): a rank leaving normally must not be killed for it.
+        self.detector.hold(self.ft.startup_timeout_s)
         if finished:
             self.job.mark_done()
         if self.watcher is not None:
@@ -165,7 +168,7 @@ class RecoveryController:
                 return self._attempt(trainer, held, timeouts, membership, clock)
             except (DeclaredFailed, RecoveryFailed):
                 raise
-            except (RegroupError, MigrationError, RuntimeError) as exc:
+            except RuntimeError as exc:
                 retry = isinstance(exc, (RegroupError, MigrationError)) or \
                     is_communication_error(exc)
                 if not retry or not self._new_failure_since(before, timeouts.rendezvous_s):
@@ -194,7 +197,7 @@ class RecoveryController:
         scope = self.job.scoped(f"gen/{membership.generation}")
         runtime_state.publish(scope, self.me, held.run)
         states = runtime_state.read_all(scope, membership.members, timeouts.rendezvous_s)
-        agreed = runtime_state.agree(states)
+        agreed = _agree(states)
         decision = self._decision(trainer, scope, membership, agreed, timeouts)
         clock.mark("decide")
         self._keepalive()
@@ -211,7 +214,8 @@ class RecoveryController:
             if active:
                 self._load_checkpoint(trainer)
         else:
-            sink = ModelState(trainer.model, trainer.optimizer, role="sink") if active else _NoState()
+            sink = (ModelState(trainer.model, trainer.optimizer, role="sink") if active
+                    else _NoState())
             report = migrate(group, membership.members, self.me, decision.transfers,
                              old=held.view, new=sink, timeout_s=timeouts.rendezvous_s,
                              store=self.job.scoped(f"gen/{membership.generation}/migrate"))
@@ -227,7 +231,7 @@ class RecoveryController:
                   timeouts: Timeouts) -> RecoveryDecision:
         """The leader (the lowest fresh member: it trained the current layout up to now and
         measured its step time) decides for everyone and publishes the decision."""
-        if self.me == agreed.fresh[0]:
+        if self.me == (agreed.fresh or membership.members)[0]:
             scope.set("decision", json.dumps(self._decide(trainer, membership, agreed)))
         scope.wait(["decision"], datetime.timedelta(seconds=timeouts.rendezvous_s))
         data = json.loads(scope.get("decision"))
@@ -242,7 +246,7 @@ class RecoveryController:
         try:
             profile = runtime_profile(args, path=self.ft.profile,
                                       hardware=hardware_for(trainer.device), plan=current,
-                                      step_time_s=self.detector.step_time,
+                                      step_time_s=self.detector.typical_step_time,
                                       regroup_s=self.last_regroup_s)
             decision = decide(current, alive=membership.members, stale=agreed.stale,
                               profile=profile, d_s=self._expected_time_to_failure(),
@@ -303,6 +307,15 @@ class RecoveryController:
         trainer.emit(record)
         if trainer.env.rank == 0:
             logger.info(summary(record))
+
+
+def _agree(states: dict[int, RunState]) -> Agreed:
+    """Where training resumes; when only spares survived, nobody holds state (every unit
+    is lost: the decision falls back to the checkpoint)."""
+    if max(s.iteration for s in states.values()) >= 0:
+        return runtime_state.agree(states)
+    return Agreed(iteration=-1, consumed_samples=0, scheduler={}, fresh=(),
+                  stale=tuple(sorted(states)))
 
 
 def _resume_at(trainer: Any, agreed: Agreed, states: dict[int, RunState],

@@ -10,7 +10,9 @@ blocked collective return at once.
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -58,25 +60,40 @@ def derive_timeouts(step_time_s: float | None, ft: ResilienceConfig) -> Timeouts
 
 class StepTimer:
     """Step times of the current layout: the first is warm-up; after ``steps`` more, the
-    step time is their maximum (a conservative base for timeouts)."""
+    step time is their maximum (a conservative base for timeouts). The median of the last
+    ``RECENT`` steps after warm-up is the typical step (what an estimator is fitted to)."""
+
+    RECENT = 64
 
     def __init__(self, steps: int) -> None:
         if steps < 1:
             raise ValueError(f"timing steps={steps}: must be >= 1")
         self._steps = steps
-        self._times: list[float] = []
+        self._count = 0
+        self._window: list[float] = []
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.RECENT)
 
     def record(self, seconds: float) -> None:
-        self._times.append(seconds)
+        self._count += 1
+        if self._count == 1:
+            return  # warm-up
+        self._recent.append(seconds)
+        if len(self._window) < self._steps:
+            self._window.append(seconds)
 
     @property
     def step_time(self) -> float | None:
-        measured = self._times[1:1 + self._steps]
-        return max(measured) if len(measured) == self._steps else None
+        return max(self._window) if len(self._window) == self._steps else None
+
+    @property
+    def typical(self) -> float | None:
+        return statistics.median(self._recent) if self._recent else None
 
     def reset(self) -> None:
         """A new layout: measure again."""
-        self._times = []
+        self._count = 0
+        self._window = []
+        self._recent.clear()
 
 
 _COMM_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
@@ -112,9 +129,9 @@ class FailureDetector:
         self._heartbeat.beat(max(seconds, self.timeouts.heartbeat_s))
 
     @property
-    def step_time(self) -> float | None:
-        """The step time of the current layout, once measured."""
-        return self._timer.step_time
+    def typical_step_time(self) -> float | None:
+        """The median recent step time of the current layout (None: none measured yet)."""
+        return self._timer.typical
 
     def step_done(self, iteration: int, seconds: float) -> None:
         """Record a step; once the step time is known, apply the derived timeouts."""

@@ -1,6 +1,7 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
-A fault is written ``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception``
+A fault is written
+``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception``
 (the ``--chameleon-inject-fault`` syntax, repeatable) or built with ``FaultInjector.fail_at``.
 
 * ``rank`` is the rank the launcher gave the process at start: it names a process, so it

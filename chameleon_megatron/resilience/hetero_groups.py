@@ -19,23 +19,10 @@ from typing import Mapping
 import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
-from chameleon_megatron.resilience.hetero_model import Slot, slot_of
+from chameleon_megatron.resilience.hetero_plan import Slot, slot_of
 from chameleon_megatron.resilience.hetero_sync import SyncSpec
 from chameleon_megatron.resilience.layout import Plan
 from chameleon_megatron.resilience.restorer_plan import AllReduceGroup
-
-
-def stage_major_order(plan: Plan) -> tuple[int, ...]:
-    """Plan ranks in a world-rank order that megatron's pipeline groups accept: torch orders a
-    group's ranks by world rank, so each pipeline's stages must come in ascending world ranks.
-    Stage by stage, pipelines in order within a stage (megatron's own layouts are so)."""
-    slots = sorted(plan.slots(), key=lambda x: (x[1], x[0], x[2]))
-    return tuple(rank for *_, rank in slots)
-
-
-def identity_world(plan: Plan, dead: frozenset[int] = frozenset()) -> dict[int, int]:
-    """Plan rank -> world rank when the plan's live ranks already are world ranks."""
-    return {r: r for r in plan.ranks() if r not in dead}
 
 
 @dataclass(frozen=True)

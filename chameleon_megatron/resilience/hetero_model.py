@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,24 +20,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-from chameleon_megatron.resilience.layout import Plan, megatron_split
+from chameleon_megatron.resilience.hetero_plan import Slot, first_last
+from chameleon_megatron.resilience.layout import Plan
 from chameleon_megatron.training.model import layer_spec, transformer_config
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a rank sits in a plan."""
-
-    pipeline: int
-    stage: int
-    tp_index: int
-
-
-def slot_of(plan: Plan, rank: int) -> Slot:
-    for j, s, i, r in plan.slots():
-        if r == rank:
-            return Slot(j, s, i)
-    raise ValueError(f"rank {rank} has no slot in the plan {plan.describe()}")
 
 
 class PipelinePosition:
@@ -62,33 +46,12 @@ class PipelinePosition:
         return self._depth
 
 
-def check_supported(args: argparse.Namespace, plan: Plan) -> None:
-    """Refuse, before any work, what the plan runtime does not execute yet."""
-    limits = [
-        (plan.tp == 1, f"tp={plan.tp}: plans execute with tensor parallelism 1 only"),
-        (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
-        (not args.bf16, "--bf16: plans execute in fp32 only (no main-gradient buffers)"),
-        (args.optimizer == "adam", f"--optimizer {args.optimizer}: plans execute Adam only"),
-        (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
-        (not args.num_experts, "--num-experts: MoE is not executed by plans"),
-        (not args.sequence_parallel, "--sequence-parallel: needs tp > 1"),
-        (plan.num_layers == args.num_layers,
-         f"plan has {plan.num_layers} layers, the model {args.num_layers}"),
-    ]
-    for ok, message in limits:
-        if not ok:
-            raise ValueError(message)
-
-
 def stage_config(args: argparse.Namespace, counts: Sequence[int]) -> TransformerConfig:
     """The trainer's TransformerConfig for a pipeline with ``counts`` layers per stage."""
-    depth = len(counts)
-    first, last = (counts[0], counts[-1]) if depth > 1 else (None, None)
-    if megatron_split(sum(counts), depth, first, last) != tuple(counts):
-        raise ValueError(f"layer split {tuple(counts)}: megatron-core needs equal middle stages")
-    base = transformer_config(args)
+    first, last = first_last(counts)
     return dataclasses.replace(
-        base, tensor_model_parallel_size=1, pipeline_model_parallel_size=depth,
+        transformer_config(args), tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=len(counts),
         virtual_pipeline_model_parallel_size=None,
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
     )
@@ -98,7 +61,6 @@ def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
                       solo: dist.ProcessGroup) -> GPTModel:
     """The stage ``slot`` of ``plan``; ``solo`` is a group of this rank alone (its TP and CP
     group at tp = 1). Weights are megatron's random init: load the real ones afterwards."""
-    check_supported(args, plan)
     pipe = plan.pipelines[slot.pipeline]
     config = stage_config(args, [len(st.layers) for st in pipe.stages])
     # embd=None: the copy of the tied embedding is loaded with the state, not all-reduced in.

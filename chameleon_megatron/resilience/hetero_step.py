@@ -9,8 +9,8 @@ samples ``consumed + g * micro ...``, each pipeline runs its share of them
 (``microbatch_ids``), and the loss is the sum of per-token losses divided once by the global
 token count, so the step computes what the failure-free step computes.
 
-The same runtime, built with ``pipelines=False`` and the dead ranks, serves rerouting
-(``reroute_step``).
+The same runtime, built with a rerouting plan (the kept layout and its dead ranks), serves
+rerouting (``reroute_step``).
 """
 
 from __future__ import annotations
@@ -29,32 +29,20 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from chameleon_megatron.resilience.hetero_groups import PlanGroups, build_plan_groups
-from chameleon_megatron.resilience.hetero_model import Slot, build_stage_model, check_supported
+from chameleon_megatron.resilience.hetero_model import build_stage_model, seed_stage
+from chameleon_megatron.resilience.hetero_plan import (
+    Slot, check_supported, microbatch_ids, slot_of,
+)
 from chameleon_megatron.resilience.hetero_optim import PlanOptimizer
-from chameleon_megatron.resilience.hetero_sync import GradSync, sync_spec
+from chameleon_megatron.resilience.hetero_sync import GradSync, reduction_device, sync_spec
 from chameleon_megatron.resilience.layout import Plan
+from chameleon_megatron.resilience.reroute_plan import ReroutePlan
 from chameleon_megatron.resilience.restorer_plan import AllReduceGroup
 from chameleon_megatron.training import data
 from chameleon_megatron.training.step import StepResult, loss_func
 
 Batches = Callable[[int], dict]
 """Global microbatch index of the step -> its batch (tokens, labels, loss_mask, position_ids)."""
-
-
-def microbatch_ids(plan: Plan) -> tuple[tuple[int, ...], ...]:
-    """Global microbatch indices of each pipeline, dealt out in turn to the pipelines with
-    room left. With equal shares this is megatron's data-parallel order (microbatch k of
-    pipeline j is global microbatch k P + j), so a kept layout sees the same data."""
-    left = [p.microbatches for p in plan.pipelines]
-    ids: list[list[int]] = [[] for _ in left]
-    g = 0
-    while g < plan.microbatches:
-        for j in range(len(left)):
-            if left[j]:
-                ids[j].append(g)
-                left[j] -= 1
-                g += 1
-    return tuple(tuple(x) for x in ids)
 
 
 def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.device) -> Batches:
@@ -86,7 +74,8 @@ class PlanRuntime:
     plan: Plan
     me: int
     """This rank's id in the plan."""
-    dead: frozenset[int]
+    reroute: ReroutePlan | None
+    """The rerouting this runtime executes (None: the plan's pipelines run whole)."""
     model: GPTModel
     optimizer: PlanOptimizer
     sync: GradSync
@@ -106,20 +95,24 @@ class PlanRuntime:
 
 def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
                   sync_groups: Sequence[AllReduceGroup], sync_rounds: Sequence[Sequence[int]],
-                  world: Mapping[int, int], dead: frozenset[int] = frozenset(),
-                  pipelines: bool = True, timeout_s: float) -> PlanRuntime:
-    """Groups, stage model (megatron's random init: load the state next), sync, optimizer.
+                  world: Mapping[int, int], reroute: ReroutePlan | None = None,
+                  timeout_s: float) -> PlanRuntime:
+    """Groups, stage model, sync, optimizer. The stage is seeded as the trainer seeds its
+    stages and gets megatron's random init: load the real state (and RNG streams) next.
 
     ``sync_groups``/``sync_rounds``: the restorer's all-reduce groups and DSATUR rounds for
-    ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer_plan.allreduce_groups``);
-    ``world``: plan rank -> world rank of every live rank. Collective over the world."""
+    ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer_plan.allreduce_groups`` and
+    ``allreduce_rounds``); ``world``: plan rank -> world rank of every live rank (for a
+    heterogeneous plan in ``stage_major_order``); ``reroute``: the rerouting plan of ``plan``
+    when its dead ranks' work is rerouted. Collective over the world."""
     check_supported(args, plan)
-    if pipelines and dead:
-        raise ValueError(f"dead ranks {sorted(dead)}: heterogeneous pipelines must be whole "
-                         "(rerouting runs with pipelines=False)")
+    if reroute is not None and reroute.plan != plan:
+        raise ValueError("the rerouting plan is for another plan than the one given")
+    dead = frozenset(reroute.failed_ranks if reroute else ())
     spec = sync_spec(plan, sync_groups, sync_rounds, dead=dead,
                      tied=not args.untie_embeddings_and_output_weights)
-    groups = build_plan_groups(plan, me, spec, world=world, pipelines=pipelines,
+    seed_stage(args.seed, slot_of(plan, me))
+    groups = build_plan_groups(plan, me, spec, world=world, pipelines=reroute is None,
                                timeout_s=timeout_s)
     model = build_stage_model(args, plan, groups.slot, groups.solo)
     sync = GradSync(model, spec, me, groups.rounds, groups.tied)
@@ -127,8 +120,8 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     model.config.finalize_model_grads_func = sync
     model.config.grad_scale_func = None
     depth = plan.pipelines[groups.slot.pipeline].depth
-    p2p = P2PCommunicator(groups.pipeline, model.config) if pipelines and depth > 1 else None
-    return PlanRuntime(args=args, plan=plan, me=me, dead=dead, model=model,
+    p2p = P2PCommunicator(groups.pipeline, model.config) if reroute is None and depth > 1 else None
+    return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model,
                        optimizer=optimizer, sync=sync, groups=groups, p2p=p2p)
 
 
@@ -136,8 +129,8 @@ def run_hetero_step(rt: PlanRuntime, batches: Batches) -> StepResult:
     """One training step of ``rt.plan``: this rank's pipeline runs megatron's 1F1B over its
     microbatches, gradients are synced per layer, the optimizer steps. The LR scheduler is
     the caller's (as in the trainer)."""
-    if rt.p2p is None and rt.groups.pipeline is None:
-        raise ValueError("this runtime was built for rerouting (pipelines=False)")
+    if rt.reroute is not None:
+        raise ValueError("this runtime reroutes: train it with reroute_step.run_reroute_step")
     ids = microbatch_ids(rt.plan)[rt.slot.pipeline]
     depth = rt.plan.pipelines[rt.slot.pipeline].depth
     rt.optimizer.zero_grad()
@@ -154,9 +147,9 @@ def run_hetero_step(rt: PlanRuntime, batches: Batches) -> StepResult:
 def finish_step(rt: PlanRuntime, reports: list[dict]) -> StepResult:
     """Optimizer step (gradients already synced), then the global loss for the record."""
     applied, norm, _ = rt.optimizer.step()
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=reduction_device())
     for r in reports:
-        totals += r["lm loss"].detach().to("cpu", torch.float64)
+        totals += r["lm loss"].detach().to(totals.device, torch.float64)
     dist.all_reduce(totals)
     loss_sum, tokens = totals.tolist()
     return StepResult(loss=loss_sum / tokens if tokens else None, tokens=int(tokens),

@@ -87,6 +87,13 @@ def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Seq
     )
 
 
+def reduction_device() -> torch.device:
+    """Where small global sums live: NCCL reduces device tensors only."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class GradSync:
     """One rank's part of the sync; callable as megatron's ``finalize_model_grads_func``.
 
@@ -112,7 +119,7 @@ class GradSync:
         """Sum each unit's gradients over its holders, then divide by the global tokens."""
         if num_tokens is None:
             raise ValueError("plans need calculate_per_token_loss=True (got no token count)")
-        tokens = num_tokens.detach().to("cpu", torch.float64).reshape(1)
+        tokens = num_tokens.detach().to(reduction_device(), torch.float64).reshape(1)
         dist.all_reduce(tokens)
         self.performed = []
         for k, mine in enumerate(self._rounds):
@@ -147,10 +154,10 @@ class GradSync:
     def grad_norm(self) -> float:
         """L2 norm of the global gradient (each unit once, the tied weight once)."""
         order = sorted(self.spec.owners, key=unit_order)
-        squares = torch.zeros(len(order), dtype=torch.float64)
+        squares = torch.zeros(len(order), dtype=torch.float64, device=reduction_device())
         for k, u in enumerate(order):
             if self.spec.owners[u] == self.me:
-                params = [p for p in self._params_of([u]) if p.grad is not None]
+                params = self._params_of([u])
                 if u == EMBEDDING and self._tied is not None and self.model.pre_process:
                     params.append(self._tied)
                 squares[k] = sum(float(p.grad.double().square().sum()) for p in params

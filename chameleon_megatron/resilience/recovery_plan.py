@@ -20,6 +20,7 @@ from chameleon_megatron.resilience.candidates import (
 from chameleon_megatron.resilience.layout import (
     Pipeline, Plan, Stage, UniformLayout, contiguous_layers,
 )
+from chameleon_megatron.resilience.perf_model import unit_cost
 from chameleon_megatron.resilience.planner import Planner, SearchOptions
 from chameleon_megatron.resilience.profile import Profile
 from chameleon_megatron.resilience.restorer_plan import Holdings, Transfer, unit_order
@@ -128,6 +129,20 @@ def rng_donors(plan: Plan, holdings: Holdings) -> dict[int, int]:
     return donors
 
 
+def local_copies(plan: Plan, holdings: Holdings, profile: Profile) -> tuple[Transfer, ...]:
+    """Transfers from each rank to itself for the state it keeps: the restorer leaves kept
+    state in place, but this runtime rebuilds the model, so it is copied from the old one."""
+    out = []
+    for j, s, i, rank in plan.slots():
+        index, owned = holdings.get(rank, (i, ()))
+        for unit in plan.pipelines[j].stage_units(s):
+            if index == i and unit in owned:
+                cost = unit_cost(profile, unit)
+                out += [Transfer(rank, rank, unit, "params", cost.param_bytes),
+                        Transfer(rank, rank, unit, "optimizer", cost.optimizer_bytes)]
+    return tuple(out)
+
+
 def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile: Profile,
            d_s: float, strategy: Strategy = "adaptive",
            time_limit_s: float | None = 2.0) -> RecoveryDecision:
@@ -160,7 +175,8 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     )
     return RecoveryDecision(
         layout=layout, active=active, spares=tuple(sorted(alive_set - set(active))),
-        transfers=() if fallback else restore.transfers, fallback=fallback,
+        transfers=() if fallback else
+        local_copies(replan.plan, holdings, profile) + restore.transfers, fallback=fallback,
         estimated_step_s=replan.t_step_s, rng_donor=rng_donors(replan.plan, holdings),
         record=record,
     )

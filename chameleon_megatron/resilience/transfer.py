@@ -119,11 +119,14 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
     ``members``: the rank ids of the recovery group, in group-rank order; ``me`` is this
     rank's id.
 
-    Two votes of all members: after every sender has checked what its receivers want (so a
-    mismatch fails fast, before anyone waits on a message that will not come), and after
-    every transfer completed. ``store`` must be private to this migration.
+    Three votes of all members: at the start (a member already gone fails everyone at once,
+    before senders wait in the store for what a dead receiver will never ask), after every
+    sender has checked what its receivers want (so a mismatch fails fast, before anyone waits
+    on a message that will not come), and after every transfer completed. ``store`` must be
+    private to this migration.
     """
     start = time.perf_counter()
+    _confirm(group, None, "start")
     ex = _Exchange(group, me, members)
     mine = [(idx, t) for idx, t in enumerate(transfers) if me in (t.src, t.dst)]
     error: Exception | None = None

@@ -41,7 +41,8 @@ def resolve_budget(spec: BudgetSpec, profile: StepProfile, *, oom_factor: float 
             raise ValueError(
                 f"swap.budget_device_fraction={spec.device_fraction}: "
                 f"{int(spec.device_fraction * spec.device_total_bytes)} bytes of device memory "
-                f"leave nothing for activations beside the {other} bytes the rest of training holds")
+                f"leave nothing for activations beside the {other} bytes the rest of "
+                "training holds")
     else:
         base = int(spec.fraction * int(resident.max(initial=0)))
     return max(int(base * oom_factor), 1)

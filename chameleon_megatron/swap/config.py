@@ -21,19 +21,24 @@ class SwapConfig:
     budget_bytes_per_stage: tuple[int, ...] = ()
     """One budget in bytes per pipeline stage, first stage first (overrides budget_bytes)."""
     budget_fraction: float = 0.5
-    """Budget as a fraction of the profiled no-swap peak of resident saved activations (0 < f <= 1)."""
+    """Budget as a fraction of the profiled no-swap peak of resident saved activations
+    (0 < f <= 1)."""
     budget_device_fraction: float | None = None
-    """Budget as a fraction of total device memory, minus what the rest of training holds (CUDA only)."""
+    """Budget as a fraction of total device memory, minus what the rest of training holds
+    (CUDA only)."""
     bandwidth_gbps: float | None = None
     """Host<->device copy bandwidth in GB/s (none: measured at start-up on GPU, 10 on CPU)."""
     min_tensor_bytes: int = 1 << 20
     """Saved tensors smaller than this are never swapped."""
     granularity: Literal["layer", "microbatch"] = "layer"
-    """Profiling stage: forward/backward x microbatch x chunk, and x transformer layer for 'layer'."""
+    """Profiling stage: forward/backward x microbatch x chunk, and x transformer layer for
+    'layer'."""
     size_tolerance: float = 0.05
-    """Relative change of a stage's saved bytes (same operators) that counts as a changed sequence."""
+    """Relative change of a stage's saved bytes (same operators) that counts as a changed
+    sequence."""
     plan_time_limit_s: float = 5.0
-    """Time limit of the policy generator's exact solver; past it the best plan found is used."""
+    """Time limit of the exact solver on small planning problems; past it the sweep's plan is
+    used."""
     host_cache_bytes: int = 8 << 30
     """Free host buffers kept for reuse across steps (pinned on GPU), in bytes."""
     oom_backoff: float = 0.8

@@ -25,7 +25,8 @@ class SyncCopier:
         host.copy_(src)
         return None
 
-    def start_in(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
+    def start_in(self, host: torch.Tensor, device: torch.device,
+                 after: Any) -> tuple[torch.Tensor, Any]:
         dst = self.alloc(host.numel(), device)
         dst.copy_(host)
         return dst, None
@@ -39,7 +40,8 @@ class SyncCopier:
     def sync(self, token: Any) -> None:
         """Block the host until a copy has finished (OOM eviction, end of step)."""
 
-    def memory_in_use(self, device: torch.device) -> int | None:
+    def memory_in_use(self) -> int | None:
+        """Device memory the allocator holds for tensors (None: not measurable here)."""
         return None
 
     def sync_device(self) -> None:
@@ -62,7 +64,8 @@ class CudaCopier(SyncCopier):
             event.record()
         return event  # the executor keeps src alive until the event: the deferred free
 
-    def start_in(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
+    def start_in(self, host: torch.Tensor, device: torch.device,
+                 after: Any) -> tuple[torch.Tensor, Any]:
         dst = self.alloc(host.numel(), device)
         # dst's block may still be read by queued compute work that freed it.
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
@@ -86,8 +89,8 @@ class CudaCopier(SyncCopier):
         if token is not None:
             token.synchronize()
 
-    def memory_in_use(self, device: torch.device) -> int | None:
-        return torch.cuda.memory_allocated(device)
+    def memory_in_use(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device)
 
     def sync_device(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -99,7 +99,8 @@ def fractional_cover(windows: Windows, excess: np.ndarray) -> np.ndarray:
     return used
 
 
-def exact_cover(windows: Windows, excess: np.ndarray, time_limit_s: float) -> tuple[np.ndarray | None, bool]:
+def exact_cover(windows: Windows, excess: np.ndarray,
+                time_limit_s: float) -> tuple[np.ndarray | None, bool]:
     """(mask, proven optimal) from the 0-1 program; mask None when no cover was found."""
     from scipy.optimize import LinearConstraint, milp  # seconds to import: only when needed
 
@@ -133,7 +134,8 @@ def cover_size(windows: Windows, excess: np.ndarray) -> int:
     return int((np.searchsorted(starts, windows.prefetch_event, side="left") - first).sum())
 
 
-def _constraint_rows(windows: Windows, excess: np.ndarray) -> tuple[list[tuple[int, int]], list[int]]:
+def _constraint_rows(windows: Windows,
+                     excess: np.ndarray) -> tuple[list[tuple[int, int]], list[int]]:
     """Runs of events with one covering set, as (first, end) spans, and their largest excess."""
     edges = np.unique(np.concatenate([[0, len(excess)], windows.out_event,
                                       windows.prefetch_event]))

@@ -162,7 +162,7 @@ class SwapExecutor:
         occurrence = stats.occurrences.get((code, history), 0)
         stats.occurrences[(code, history)] = occurrence + 1
         if self.recorder is not None:
-            in_use = self.copier.memory_in_use(entry.device)
+            in_use = self.copier.memory_in_use()
             entry.rec = self.recorder.on_pack(
                 stats.key, ordinal, code, history, occurrence, nbytes, tuple(t.shape), forward,
                 self.tracker.segment, self.resident if in_use is None else in_use)

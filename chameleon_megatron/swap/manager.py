@@ -8,9 +8,10 @@ plan is in use in step s + 2. A full step keeps executing the old plan (matching
 fuzzy) and the budget guard, so memory stays bounded while profiling.
 
 OOM (GPU): an out-of-memory error inside a step evicts every resident saved storage
-synchronously, lowers the next plan's budget by ``oom_backoff`` (never below what the
-profile says is achievable) and schedules a re-profile; the error is re-raised so the
-trainer can redo the step. Swap-ins that run out of memory evict and retry in the
+synchronously, lowers the enforced budget and the next plan's by ``oom_backoff`` (never
+below what the profile says is achievable) and schedules a re-profile; the error is
+re-raised, and ``oom_retry`` says whether redoing the step can succeed (the plugin then
+asks the trainer to redo it). Swap-ins that run out of memory evict and retry in the
 executor, so those steps complete.
 """
 
@@ -47,7 +48,9 @@ class RunTotals:
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     peak_resident_saved_bytes: int = 0
+    """Over the steps that executed a plan."""
     peak_saved_bytes: int = 0
+    """Without swap, over all steps."""
     matched: int = 0
     planned: int = 0
     blocking_swapins: int = 0
@@ -77,7 +80,10 @@ class SwapManager:
         self.reprofile: str | None = "initial"
         """Why the next step profiles fully (None: it runs lightweight)."""
         self.oom_factor = 1.0
-        self.last_profile: StepProfile | None = None
+        self.lowered_guard: int | None = None
+        """Budget enforced after an OOM until the next plan (which is built lower too)."""
+        self.oom_retry = False
+        """Whether the last OOM lowered the budget, so redoing the step can succeed."""
         self.last_metrics: dict[str, Any] = {}
         self.totals = RunTotals()
 
@@ -101,10 +107,18 @@ class SwapManager:
         self._finish(iteration, full, counters)
 
     def _guard_budget(self) -> int | None:
+        if self.lowered_guard is not None:
+            return self.lowered_guard
         if self.plan is not None:
             return self.plan.budget_bytes
-        if self.budget.absolute_bytes is not None:
-            return max(int(self.budget.absolute_bytes * self.oom_factor), 1)
+        spec = self.budget
+        if spec.absolute_bytes is not None:
+            return max(int(spec.absolute_bytes * self.oom_factor), 1)
+        in_use = self.executor.copier.memory_in_use()
+        if spec.device_fraction is not None and in_use is not None:
+            # Before the first plan: what the device fraction leaves beside what is held now.
+            share = spec.device_fraction * spec.device_total_bytes * self.oom_factor
+            return max(int(share) - in_use, 1)
         return None
 
     def _finish(self, iteration: int, full: bool, counters: StepCounters) -> None:
@@ -143,7 +157,7 @@ class SwapManager:
         plan = generate_plan(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
                              min_bytes=cfg.min_tensor_bytes, time_limit_s=cfg.plan_time_limit_s)
         self.executor.set_plan(plan, MatchIndex(profile.records))
-        self.plan, self.last_profile = plan, profile
+        self.plan, self.lowered_guard = plan, None
         self.plan_version += 1
         self.reference = profile.signature
         record = {"rank": self.rank, "iteration": iteration, "reason": self.reprofile,
@@ -157,11 +171,21 @@ class SwapManager:
 
     def _on_oom(self, iteration: int) -> None:
         freed = self.executor.evict(1 << 62)
-        self.oom_factor *= self.config.oom_backoff
+        backoff = self.config.oom_backoff
+        self.oom_factor *= backoff
         self.reprofile = "oom"
         self.totals.ooms += 1
+        before = self.executor.budget
+        floor = self.plan.min_budget_bytes if self.plan is not None else 1
+        if before is not None:
+            self.lowered_guard = max(int(before * backoff), floor)
+        # Without a budget yet (an OOM while profiling the first step under a fractional
+        # budget) or already at the least achievable one, a redo would fail the same way.
+        self.oom_retry = before is not None and self.lowered_guard < before
         logger.warning("swap oom %s", {"rank": self.rank, "iteration": iteration,
-                                       "evicted_bytes": freed, "budget_factor": self.oom_factor})
+                                       "evicted_bytes": freed, "budget_before": before,
+                                       "budget_now": self.lowered_guard,
+                                       "redo": self.oom_retry})
 
     def _metrics(self, used: tuple[Plan | None, int], full: bool, c: StepCounters,
                  changed: bool, profiler_s: float, plan_s: float) -> dict[str, Any]:
@@ -200,7 +224,9 @@ class SwapManager:
         t.changes += changed
         t.swapped_out_bytes += c.swapped_out_bytes
         t.swapped_in_bytes += c.swapped_in_bytes
-        t.peak_resident_saved_bytes = max(t.peak_resident_saved_bytes, c.peak_resident_saved_bytes)
+        if plan is not None:  # a profiling step without a plan swaps nothing
+            t.peak_resident_saved_bytes = max(t.peak_resident_saved_bytes,
+                                              c.peak_resident_saved_bytes)
         t.peak_saved_bytes = max(t.peak_saved_bytes, c.peak_saved_bytes)
         t.matched += c.matched
         t.planned += len(plan.decisions) if plan else 0

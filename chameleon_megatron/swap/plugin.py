@@ -5,7 +5,8 @@
 ``on_model_built`` builds tracker, executor and manager for this rank and installs the
 megatron seams; ``step_context`` runs one training step under the manager (evaluation
 saves no tensors and is left alone); ``metrics`` returns ``{"swap": {...}}``;
-``on_train_end`` logs the per-rank summary and removes the seams.
+``on_step_failed`` asks the trainer to redo a step that ran out of device memory once the
+budget is lowered; ``on_train_end`` logs the per-rank summary and removes the seams.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.manager import SwapManager
 from chameleon_megatron.swap.stage import StageTracker
 from chameleon_megatron.swap.summary import summary_table
-from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin
+from chameleon_megatron.training.plugin import StepAction, TrainContext, TrainerPlugin
+from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +57,18 @@ def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int,
 
 
 class SwapPlugin(TrainerPlugin):
+    """One rank's swap subsystem, driven by the trainer's hooks."""
+
     def __init__(self, config: SwapConfig) -> None:
         self.config = config
         self.manager: SwapManager | None = None
         self.seams: SwapSeams | None = None
         self.rank = 0
+        self._step_rng: dict[str, Any] | None = None
 
     def on_model_built(self, ctx: TrainContext) -> None:
+        """Build tracker, executor and manager for this rank's model (again after a rebuild)."""
+        self._teardown()
         cfg, device = self.config, ctx.device
         spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device)
         if cfg.bandwidth_gbps is not None:
@@ -87,6 +94,8 @@ class SwapPlugin(TrainerPlugin):
     def step_context(self, iteration: int, *, training: bool) -> ContextManager[None]:
         if not training or self.manager is None:
             return contextlib.nullcontext()
+        # A step redone after an OOM must draw the same dropout masks as the first attempt.
+        self._step_rng = rng_state()
         return self.manager.step(iteration)
 
     def metrics(self) -> dict[str, Any]:
@@ -94,10 +103,23 @@ class SwapPlugin(TrainerPlugin):
             return {}
         return {"swap": dict(self.manager.last_metrics)}
 
+    def on_step_failed(self, exc: BaseException, trainer: Any) -> StepAction | None:
+        """Redo a step that ran out of device memory when the lowered budget can help."""
+        if isinstance(exc, torch.OutOfMemoryError) and self.manager is not None \
+                and self.manager.oom_retry and self._step_rng is not None:
+            set_rng_state(self._step_rng)
+            return "redo"
+        return None
+
     def on_train_end(self) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
         if self.seams is not None:
             self.seams.remove()
+            self.seams = None
         if self.manager is not None:
             logger.info("swap summary (rank %d)\n%s", self.rank,
                         summary_table([(self.rank, self.manager.totals)]))
             self.manager.executor.pool.clear()
+            self.manager = None

@@ -117,7 +117,8 @@ def generate_plan(profile: StepProfile, *, budget_bytes: int, bandwidth_bps: flo
     )
 
 
-def _choose(windows: Windows, excess: np.ndarray, time_limit_s: float) -> tuple[np.ndarray, int, bool]:
+def _choose(windows: Windows, excess: np.ndarray,
+            time_limit_s: float) -> tuple[np.ndarray, int, bool]:
     """(mask over ``windows``, lower bound on swapped bytes, proven optimal)."""
     chosen = sweep_cover(windows, excess)
     bound = math.ceil(fractional_bound(windows, excess) - 1e-6)

@@ -7,7 +7,7 @@ from typing import Sequence
 from chameleon_megatron.swap.manager import RunTotals
 
 _COLUMNS = ("rank", "steps", "full", "plans", "changes", "out MiB", "in MiB",
-            "peak MiB", "no-swap MiB", "matched %", "blocking", "forced", "ooms",
+            "peak MiB (plan)", "no-swap MiB", "matched %", "blocking", "forced", "ooms",
             "profiler ms/step")
 
 

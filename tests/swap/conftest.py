@@ -22,17 +22,14 @@ def mcore():
     """Platform patches, a one-process gloo group and megatron's parallel state."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
-
     from chameleon_megatron.megatron.platform import CpuPlatform
+    from chameleon_megatron.megatron.te_absent import TeAbsentPatch
     from chameleon_megatron.training.distributed import free_port
 
     platform = CpuPlatform()
     platform.apply()
-    # megatron-core 0.16.1 reads an undefined te_general_gemm in the MoE router without TE.
-    had_gemm = hasattr(moe_utils, "te_general_gemm")
-    if not had_gemm:
-        moe_utils.te_general_gemm = None
+    te_absent = TeAbsentPatch()
+    te_absent.apply()
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -44,6 +41,5 @@ def mcore():
         parallel_state.destroy_model_parallel()
         if own_group:
             dist.destroy_process_group()
-        if not had_gemm:
-            del moe_utils.te_general_gemm
+        te_absent.remove()
         platform.remove()

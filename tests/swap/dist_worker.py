@@ -4,7 +4,7 @@ For each layout it trains the same tiny GPT twice through the project's trainer,
 and with ``--chameleon-swap``, in one process group, and writes this rank's per-iteration
 loss, gradient norm and swap metrics to ``<out>/rank<R>.json``.
 
-    python tests/swap/dist_worker.py OUT_DIR LAYOUTS_JSON   (RANK, WORLD_SIZE, MASTER_* set)
+    torchrun --standalone --nproc-per-node=2 tests/swap/dist_worker.py OUT_DIR LAYOUTS_JSON
 """
 
 from __future__ import annotations

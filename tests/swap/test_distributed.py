@@ -7,14 +7,13 @@ start-up cost is paid once; each layout is then checked by its own test.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from dist_utils import run_command  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
@@ -34,39 +33,15 @@ LAYOUTS = {
 BUDGET = {name: "0.9" if name.endswith("recompute") else "0.5" for name in LAYOUTS}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("swap_dist")
     layouts = {name: {"flags": flags + ["--data-cache-path", str(out / "cache")],
                       "swap": SWAP + ["--chameleon-swap-budget-fraction", BUDGET[name]]}
                for name, flags in LAYOUTS.items()}
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        log = open(out / f"log{rank}.txt", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "tests/swap/dist_worker.py"), str(out),
-             json.dumps(layouts)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True))
-    try:
-        codes = [p.wait(timeout=360) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    if codes != [0, 0]:
-        logs = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(2))
-        pytest.fail(f"workers exited with {codes}:\n{logs}")
+    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node=2", str(REPO / "tests/swap/dist_worker.py"), str(out),
+                 json.dumps(layouts)], timeout=360, log=out / "log.txt")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

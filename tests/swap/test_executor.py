@@ -10,6 +10,7 @@ from chameleon_megatron.swap.copier import SyncCopier
 from chameleon_megatron.swap.executor import SwapExecutor
 from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.stage import StageTracker
+from chameleon_megatron.swap.summary import summary_row, summary_table
 
 from toy import ToyGPT, batches, make_manager, run_step
 
@@ -48,6 +49,13 @@ def test_half_budget_is_met_bitwise_with_bytes_swapped():
             assert m["matched"] == m["planned_tensors"] > 0 and m["unmatched"] == 0
             assert m["blocking_swapins"] == 0 and m["forced_swaps"] == 0
         assert m["live_entries"] == 0 and m["host_buffers_live"] == 0
+    row = summary_row(3, mgr.totals)
+    assert summary_table([(3, mgr.totals)]).splitlines()[1].split() == list(row)
+    mib = 1 << 20
+    # rank, steps, full steps, plans, changes; peak with a plan, no-swap peak; matched %
+    assert row[:5] == ("3", "4", "1", "1", "0")
+    assert row[7:10] == (f"{m['peak_resident_saved_bytes'] / mib:.1f}",
+                         f"{no_swap_peak / mib:.1f}", "100.0")
 
 
 def test_host_buffers_are_reused_across_steps():

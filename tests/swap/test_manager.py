@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from chameleon_megatron.swap.budget import BudgetSpec
 from chameleon_megatron.swap.config import SwapConfig
+from chameleon_megatron.swap.copier import SyncCopier
 from chameleon_megatron.swap.policy import BudgetError
 
 from toy import ToyGPT, batches, make_manager, run_step
@@ -35,7 +37,8 @@ def _drive(model, schedule, cfg, *, ref_model_state=None):
 
 def _check_adapts(metrics, change_step):
     """Detected in the step, a new plan within 3 steps, >= 99 % matched from then on."""
-    assert [m["sequence_changed"] for m in metrics] == [s == change_step for s in range(len(metrics))]
+    assert [m["sequence_changed"] for m in metrics] == [
+        s == change_step for s in range(len(metrics))]
     old = metrics[change_step]["plan_version"]
     new_at = next(s for s in range(change_step, len(metrics)) if metrics[s]["plan_version"] > old)
     assert new_at - change_step <= 3
@@ -140,10 +143,51 @@ def test_out_of_memory_lowers_the_next_budget_and_reprofiles():
                 held = mgr.executor.resident
                 raise torch.OutOfMemoryError("injected")
     assert mgr.executor.resident < held  # resident storages were evicted
+    assert mgr.oom_retry  # the budget went down, so redoing the step can succeed
     del logits
     assert mgr.executor.live_entries == 0
     with mgr.step(3):
         run_step(model, micro, mgr.executor.tracker, seed=3)
-    assert mgr.last_metrics["mode"] == "full"
+    m = mgr.last_metrics
+    assert m["mode"] == "full" and m["budget_bytes"] == int(before * 0.8)
+    assert m["peak_resident_saved_bytes"] <= m["budget_bytes"]
     assert mgr.plan.budget_bytes == int(before * 0.8) and mgr.plan_version == 2
     assert mgr.totals.ooms == 1
+
+
+def test_out_of_memory_before_any_budget_is_not_retried():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    mgr = make_manager(model, CFG)  # a fractional budget: unknown until profiled
+    with pytest.raises(torch.OutOfMemoryError):
+        with mgr.step(0):
+            raise torch.OutOfMemoryError("injected")
+    assert not mgr.oom_retry and mgr.reprofile == "oom"
+
+
+class _DeviceWithState(SyncCopier):
+    """Device memory in use: 60 kB of parameters and the like, plus resident activations."""
+
+    executor = None
+
+    def memory_in_use(self) -> int:
+        return 60_000 + self.executor.resident
+
+
+def test_a_device_fraction_bounds_the_profiling_step_too():
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    micro = batches(0, 2, 2, 16)
+    spec = BudgetSpec(device_fraction=0.5, device_total_bytes=400_000)
+    copier = _DeviceWithState()
+    mgr = make_manager(model, SwapConfig(enabled=True, min_tensor_bytes=1024), copier=copier,
+                       spec=spec)
+    copier.executor = mgr.executor
+    for s in range(3):
+        with mgr.step(s):
+            run_step(model, micro, mgr.executor.tracker, seed=s)
+        m = mgr.last_metrics
+        # Half the device, less what is held besides activations: from the memory in use
+        # at the start of the first step, then from the profile.
+        assert m["budget_bytes"] == 200_000 - 60_000
+        assert 0 < m["peak_resident_saved_bytes"] <= m["budget_bytes"] < m["peak_saved_bytes"]

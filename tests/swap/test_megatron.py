@@ -162,3 +162,24 @@ def test_moe_sequence_length_change():
     metrics = _compare(_run(**MOE), HALF, [{"seq": 16}] * 2 + [{"seq": 32}] * 4)
     _check_adapts(metrics, 2)
     _check_plan_holds(metrics)
+
+
+def test_a_step_that_runs_out_of_memory_is_redone_bitwise():
+    run = _run()
+    ref = [run.step(s) for s in range(4)]
+    with _plugin(run, HALF) as plugin:
+        for s in range(2):
+            with plugin.step_context(s, training=True):
+                run.step(s)
+        with pytest.raises(torch.OutOfMemoryError) as failed:
+            with plugin.step_context(2, training=True):
+                run.step(2, num_microbatches=1)  # a partial step, then the device is full
+                raise torch.OutOfMemoryError("injected")
+        assert plugin.on_step_failed(failed.value, None) == "redo"
+        assert plugin.on_step_failed(RuntimeError("other"), None) is None
+        for s in (2, 3):  # the redo, then the next step
+            with plugin.step_context(s, training=True):
+                assert _same(run.step(s), ref[s])
+            m = plugin.metrics()["swap"]
+            assert m["peak_resident_saved_bytes"] <= m["budget_bytes"]
+            assert m["live_entries"] == 0 and m["host_buffers_live"] == 0

@@ -14,7 +14,8 @@ MIB = 1 << 20
 
 
 def _swap(mode, peak, no_swap, budget, out, blocking=0, changed=False):
-    return {"mode": mode, "plan_version": 0 if budget is None else 1, "peak_resident_saved_bytes": peak, "peak_saved_bytes": no_swap,
+    return {"mode": mode, "plan_version": 0 if budget is None else 1,
+            "peak_resident_saved_bytes": peak, "peak_saved_bytes": no_swap,
             "budget_bytes": budget, "swapped_out_bytes": out, "blocking_swapins": blocking,
             "sequence_changed": changed}
 
@@ -24,7 +25,8 @@ def test_report_summarises_and_draws(tmp_path, capsys):
     lines = [
         {"event": "run", "world_size": 1},
         {"event": "iteration", "iteration": 1, "swap": _swap("full", 8 * MIB, 8 * MIB, None, 0)},
-        {"event": "iteration", "iteration": 2, "swap": _swap("light", 4 * MIB, 8 * MIB, 4 * MIB, 5 * MIB)},
+        {"event": "iteration", "iteration": 2,
+         "swap": _swap("light", 4 * MIB, 8 * MIB, 4 * MIB, 5 * MIB)},
         {"event": "eval", "iteration": 2, "loss": 1.0},
         {"event": "iteration", "iteration": 3,
          "swap": _swap("light", 6 * MIB, 12 * MIB, 4 * MIB, 7 * MIB, blocking=2, changed=True)},

@@ -28,7 +28,8 @@ def test_same_sequence_is_unchanged():
 def test_reordered_operators_of_equal_count_and_bytes_are_a_change():
     ref = _sig({A: [(1, 100), (2, 100)], B: [(1, 10)]})
     cur = _sig({A: [(2, 100), (1, 100)], B: [(1, 10)]})
-    assert (ref.stages[A].count, ref.stages[A].nbytes) == (cur.stages[A].count, cur.stages[A].nbytes)
+    r, c = ref.stages[A], cur.stages[A]
+    assert (r.count, r.nbytes) == (c.count, c.nbytes)
     assert changed_stages(ref, cur, 0.5) == (A,)
 
 

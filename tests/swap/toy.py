@@ -74,7 +74,8 @@ def run_step(model: ToyGPT, micro: list[torch.Tensor], tracker: StageTracker | N
     return total, [p.grad.clone() for p in model.parameters()]
 
 
-def make_manager(model: nn.Module, cfg, *, bandwidth_bps: float = 10e9, layers: bool = True):
+def make_manager(model: nn.Module, cfg, *, bandwidth_bps: float = 10e9, layers: bool = True,
+                 copier=None, spec=None):
     """A CPU swap manager for ``model`` (tracker with layer hooks, sync copier)."""
     from chameleon_megatron.swap.budget import BudgetSpec
     from chameleon_megatron.swap.copier import SyncCopier
@@ -86,8 +87,9 @@ def make_manager(model: nn.Module, cfg, *, bandwidth_bps: float = 10e9, layers: 
     tracker = StageTracker(layers=layers)
     if layers and isinstance(model, ToyGPT):
         layer_hooks(model, tracker)
-    ex = SwapExecutor(tracker, copier=SyncCopier(), pool=HostPool(pin=False, cache_bytes=1 << 30),
+    ex = SwapExecutor(tracker, copier=copier or SyncCopier(),
+                      pool=HostPool(pin=False, cache_bytes=1 << 30),
                       min_bytes=cfg.min_tensor_bytes, exclude=list(model.parameters()))
-    spec = BudgetSpec(absolute_bytes=cfg.budget_bytes, fraction=cfg.budget_fraction)
+    spec = spec or BudgetSpec(absolute_bytes=cfg.budget_bytes, fraction=cfg.budget_fraction)
     return SwapManager(cfg, ex, budget=spec, bandwidth_bps=bandwidth_bps,
                        cost=ProfilerCost(light_s=0.0, full_s=0.0))

@@ -1,0 +1,93 @@
+"""The training worker of the recovery tests: ``pretrain_gpt`` plus a state dump.
+
+    python tests/resilience/recovery_worker.py --dump DIR --iters N <trainer flags>
+
+Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
+failure-free reference) with one more plugin: a rank that holds part of the model when
+training finishes writes, to ``DIR/<launch rank>.json``, its per-parameter sums of squares
+of weights and Adam moments (keyed by state unit and name) and Adam's step count; a spare
+at the end of the job writes ``{"spare": true}``. Only the standard library is imported at
+the top: checkpoint writers spawn helpers that re-import this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def state_sums(model: list, optimizer: Any) -> dict:
+    from megatron.core import parallel_state
+
+    from chameleon_megatron.resilience.layer_state import ModelState, unit_parameters
+
+    view = ModelState(model, optimizer, role="sink")
+    sums: dict[str, dict] = {}
+    for unit, params in unit_parameters(model).items():
+        optim = view.tensors(unit, "optimizer")
+        for name, p in params.items():
+            sums[f"{unit}|{name}"] = {
+                "sharded": bool(getattr(p, "tensor_model_parallel", False)),
+                "param": float(p.detach().double().pow(2).sum()),
+                "exp_avg": float(optim[f"{name}/exp_avg"].double().pow(2).sum()),
+                "exp_avg_sq": float(optim[f"{name}/exp_avg_sq"].double().pow(2).sum()),
+                "step": float(optim[f"{name}/step"]),
+            }
+    return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "dp_rank": parallel_state.get_data_parallel_rank(), "sums": sums}
+
+
+def dump_plugin(iters: int) -> Any:
+    """A plugin that keeps the last model built on this rank and sums it up at the end."""
+    from megatron.core import parallel_state
+
+    from chameleon_megatron.training.plugin import TrainerPlugin
+
+    class DumpPlugin(TrainerPlugin):
+        ctx: Any = None
+        completed = 0
+        dump: dict | None = None
+
+        def on_model_built(self, ctx: Any) -> None:
+            self.ctx = ctx
+
+        def step_context(self, iteration: int, *, training: bool):
+            if training:
+                self.completed = iteration
+            return super().step_context(iteration, training=training)
+
+        def on_train_end(self) -> None:
+            if self.completed == iters and parallel_state.model_parallel_is_initialized():
+                self.dump = state_sums(self.ctx.model, self.ctx.extra["optimizer"])
+
+    return DumpPlugin()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dump", type=Path, required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    ours, rest = parser.parse_known_args(argv)
+    if "RANK" in os.environ:  # under a launcher: leave when it is gone
+        sys.path.insert(0, str(Path(__file__).parent))
+        from test_rt_support import guard_worker
+
+        guard_worker(400)
+    from chameleon_megatron import pretrain_gpt
+
+    plugin = dump_plugin(ours.iters)
+    build = pretrain_gpt.build_plugins
+    pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
+    pretrain_gpt.setup_logging()
+    pretrain_gpt.run([*rest, "--train-iters", str(ours.iters)])
+    rank = os.environ.get("RANK", "0")
+    (ours.dump / f"{rank}.json").write_text(json.dumps(plugin.dump or {"spare": True}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,203 @@
+"""The recovery controller's pure parts: the decision the survivors execute (layout, world
+order, spares, transfers, checkpoint fallback, RNG donors), the runtime profile, the checks
+before training, the recovery fault phase and the spares' waiting rule. Oracles are worked
+out by hand on 4-layer models (layer cost: forward 1, backward 2, params 1 B, Adam 2 B)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.resilience.announce import FailureRecord, announce
+from chameleon_megatron.resilience.detector import StepTimer
+from chameleon_megatron.resilience.faults import FaultInjector, InjectedFault
+from chameleon_megatron.resilience.job_store import JobStore
+from chameleon_megatron.resilience.layout import Pipeline, Plan, Stage, UniformLayout
+from chameleon_megatron.resilience.perf_model import plan_step
+from chameleon_megatron.resilience.plugin import check_supported
+from chameleon_megatron.resilience.recovery_plan import (
+    NoRecoveryPlan, RecoveryDecision, decide, recovery_units, rng_donors, uniform_plan,
+    world_order,
+)
+from chameleon_megatron.resilience.regroup import wait_as_spare
+from chameleon_megatron.resilience.restorer_plan import Transfer
+from chameleon_megatron.resilience.runtime_profile import CPU_GLOO, check_profile, runtime_profile
+from dc_helpers import make_profile
+
+pytestmark = pytest.mark.timeout(30)
+
+DP2_PP2 = uniform_plan(UniformLayout(tp=1, pp=2, dp=2), [0, 1, 2, 3], 4, 8)
+"""Ranks 0, 1 hold stage 0 (layers 0-1 + embedding), ranks 2, 3 stage 1 (layers 2-3 + output)."""
+DEEP = make_profile(4, ar_bw=1e-3)
+"""All-reduce is ruinous: one pipeline, as deep as possible, wins."""
+WIDE = make_profile(4, ar_bw=1e12)
+"""Free links: as many depth-1 pipelines as divide the batch win."""
+
+
+def copies(rank: int, units: list) -> list[tuple]:
+    return [(rank, rank, u, k) for u in units for k in ("params", "optimizer")]
+
+
+def moves(transfers) -> list[tuple]:
+    return [(t.src, t.dst, t.layer, t.kind) for t in transfers]
+
+
+def test_a_uniform_layout_over_launch_ranks_and_back() -> None:
+    """tp fastest, then dp, then pp: world rank w = tp + 2 (dp + 2 pp) holds active[w]."""
+    active = [10, 11, 12, 13, 14, 15, 16, 17]
+    plan = uniform_plan(UniformLayout(tp=2, pp=2, dp=2), active, 4, 8)
+    assert [[st.ranks for st in p.stages] for p in plan.pipelines] == [
+        [(10, 11), (14, 15)], [(12, 13), (16, 17)]]
+    assert world_order(plan) == (UniformLayout(tp=2, pp=2, dp=2), tuple(active))
+
+
+def test_a_layout_megatron_cannot_express_is_refused() -> None:
+    uneven = Plan(num_layers=4, pipelines=(Pipeline(
+        stages=(Stage(layers=(0, 1, 2), ranks=(0,)), Stage(layers=(3,), ranks=(1,))),
+        microbatches=8),))
+    with pytest.raises(ValueError, match="not a uniform megatron layout"):
+        world_order(uneven)
+
+
+def test_units_are_intact_groups_then_the_other_survivors_in_groups_of_tp() -> None:
+    plan = uniform_plan(UniformLayout(tp=2, pp=2, dp=2), list(range(8)), 4, 8)
+    assert recovery_units(plan, [0, 1, 2, 3, 4, 6, 7]) == [(0, 1), (2, 3), (6, 7)]
+    assert recovery_units(plan, [0, 1, 2, 3, 4, 6, 7, 9]) == [(0, 1), (2, 3), (6, 7), (4, 9)]
+
+
+def test_rng_comes_from_a_holder_of_the_first_layer_of_the_new_stage() -> None:
+    new = Plan(num_layers=4, pipelines=(Pipeline(
+        stages=(Stage(layers=(0, 1), ranks=(1,)), Stage(layers=(2, 3), ranks=(0,))),
+        microbatches=8),))
+    holdings = {0: (0, (0, 1, "embedding")), 1: (0, (0, 1, "embedding")), 2: (0, (2, 3, "output"))}
+    assert rng_donors(new, holdings) == {1: 1, 0: 2}
+
+
+def test_state_stays_in_place_when_the_new_layout_allows_it() -> None:
+    """Rank 3 died, rank 1 is stale. DEEP: PP2 x DP1 (54 s) beats PP1 x DP2 (48 s plus a
+    4000 s all-reduce) and PP1 (96 s); stage 0 goes to rank 0, which holds it, stage 1 to
+    rank 2: only local copies from the old model into the rebuilt one."""
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=DEEP, d_s=1e6)
+    assert (d.layout, d.active, d.spares) == (UniformLayout(1, 2, 1), (0, 2), (1,))
+    assert d.fallback is None
+    assert moves(d.transfers) == copies(0, [0, 1, "embedding"]) + copies(2, [2, 3, "output"])
+    assert d.estimated_step_s == pytest.approx(54.0)
+    assert d.rng_donor == {0: 0, 2: 2}
+    assert d.record["executed"] == "replan" and d.record["stale"] == [1]
+    assert [c["name"] for c in d.record["candidates"]] == ["reroute", "replan"]
+
+
+def test_new_slots_receive_what_they_lack_and_stale_ranks_send_nothing() -> None:
+    """WIDE: PP1 x DP2 over ranks 0 and 2 (rank 1 is stale: it would need everything); each
+    keeps its half and receives the other half from the only fresh holder."""
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=WIDE, d_s=1e6)
+    assert (d.layout, sorted(d.active), d.spares) == (UniformLayout(1, 1, 2), [0, 2], (1,))
+    want = copies(0, [0, 1, "embedding"]) + copies(2, [2, 3, "output"]) + [
+        (s, r, u, k) for s, r, units in ((2, 0, [2, 3, "output"]), (0, 2, [0, 1, "embedding"]))
+        for u in units for k in ("params", "optimizer")]
+    assert sorted(moves(d.transfers), key=str) == sorted(want, key=str)
+    assert d.record["bytes_planned"] == 2 * 2 * 3.0  # two layers of 3 B each way
+
+
+def test_a_layer_without_a_surviving_copy_falls_back_to_the_checkpoint() -> None:
+    d = decide(DP2_PP2, alive=[0, 1], stale=[], profile=WIDE, d_s=1e6)
+    assert d.fallback == "checkpoint" and d.transfers == ()
+    assert d.record["lost"] == [2, 3, "output"] and "checkpoint" in d.record["executed_reason"]
+    assert sorted(d.active) == [0, 1]
+
+
+def test_when_rerouting_wins_the_score_the_re_plan_is_executed_and_said_so() -> None:
+    """D = 100 s; re-plan PP1 x DP2: 48 s steps, transition 60 s regroup + 6 B at 1 B/s:
+    8/48 x (100 - 66)/100 = 0.057 < reroute: 54 s steps, no transition: 8/54 = 0.148."""
+    profile = make_profile(4, ar_bw=1e12, regroup=60.0)
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=profile, d_s=100.0)
+    assert d.record["choice"] == "reroute" and d.record["executed"] == "replan"
+    assert "not executable yet" in d.record["executed_reason"]
+    scores = {c["name"]: c["score"] for c in d.record["candidates"]}
+    assert scores == pytest.approx({"reroute": 8 / 54, "replan": 8 / 48 * 0.34})
+
+
+def test_no_intact_tensor_parallel_group_means_no_plan() -> None:
+    plan = uniform_plan(UniformLayout(tp=2, pp=1, dp=1), [0, 1], 4, 8)
+    with pytest.raises(NoRecoveryPlan, match="no intact TP group"):
+        decide(plan, alive=[0], stale=[], profile=make_profile(4, tp=2), d_s=1e6)
+
+
+def test_a_decision_survives_the_job_store() -> None:
+    d = RecoveryDecision(layout=UniformLayout(2, 2, 1), active=(4, 5, 0, 1), spares=(7,),
+                         transfers=(Transfer(0, 4, "output", "params", 8.0),
+                                    Transfer(1, 5, 3, "optimizer", 16.0)),
+                         fallback=None, estimated_step_s=0.5, rng_donor={4: 0, 5: 1},
+                         record={"choice": "replan", "D_s": 10.0})
+    assert RecoveryDecision.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+
+
+def tiny_args(**over) -> argparse.Namespace:
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                micro_batch_size=2, global_batch_size=8, padded_vocab_size=128,
+                tensor_model_parallel_size=1, rampup_batch_size=None)
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_the_derived_profile_reproduces_the_measured_step_time() -> None:
+    plan = uniform_plan(UniformLayout(tp=1, pp=2, dp=2), [0, 1, 2, 3], 4, 4)
+    profile = runtime_profile(tiny_args(), path=None, hardware=CPU_GLOO, plan=plan,
+                              step_time_s=0.25, regroup_s=0.7)
+    assert plan_step(plan, profile).t_step_s == pytest.approx(0.25, rel=1e-6)
+    assert profile.regroup_s == 0.7 and profile.global_batch_size == 8
+
+
+def test_a_user_profile_must_describe_the_run() -> None:
+    with pytest.raises(ValueError, match="global_batch_size=16, but this run has 8"):
+        check_profile(make_profile(4, gbs=16, tp=1), tiny_args(micro_batch_size=1))
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(vpp_size=2), "interleaved pipelines"),
+    (dict(args=tiny_args(rampup_batch_size=[4, 4, 64])), "--rampup-batch-size"),
+])
+def test_what_recovery_cannot_do_is_refused_before_training(over, message) -> None:
+    ctx = SimpleNamespace(**{"vpp_size": 1, "args": tiny_args(), **over})
+    with pytest.raises(ConfigError, match=message):
+        check_supported(ctx, SimpleNamespace(profile=None))
+
+
+def test_a_recovery_fault_fires_in_the_recovery_of_its_iteration_only() -> None:
+    injector = FaultInjector.from_strings(2, ["rank=2,iteration=3,phase=recovery,kind=exception"])
+    injector.check(3, "forward")
+    injector.check(2, "recovery")
+    with pytest.raises(InjectedFault, match="phase=recovery"):
+        injector.check(3, "recovery")
+
+
+def test_a_spare_rejoins_when_the_next_generation_opens_not_on_a_failure_alone() -> None:
+    """A spare's death is noticed by no active member: rejoining on it would wait forever."""
+    job = JobStore(dist.HashStore(), "run")
+    result: list[str] = []
+    spare = threading.Thread(target=lambda: result.append(
+        wait_as_spare(job, 1, on_wait=lambda: None, poll_s=0.01)))
+    spare.start()
+    announce(job, FailureRecord(rank=5, time=time.time(), reason="exit", exitcode=1))
+    time.sleep(0.2)
+    assert not result
+    job.scoped("gen/2").set("opened", "1")
+    spare.join(timeout=5)
+    assert result == ["rejoin"]
+    job.mark_done()
+    assert wait_as_spare(job, 2, on_wait=lambda: None) == "done"
+
+
+def test_timeouts_take_the_worst_measured_step_the_estimator_the_median() -> None:
+    timer = StepTimer(steps=2)
+    for seconds in (9.0, 1.0, 3.0, 1.2, 1.1):  # warm-up, then the window, then more
+        timer.record(seconds)
+    assert (timer.step_time, timer.typical) == (3.0, 1.15)
+    timer.reset()
+    assert (timer.step_time, timer.typical) == (None, None)
