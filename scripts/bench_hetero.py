@@ -7,9 +7,10 @@ store), all over the same GPT and global batch:
 2. plan: the same layout run by the plan runtime (its overhead against 1);
 3. reroute: rank 3 dead, its pipeline's last stage rerouted to the peer (3 ranks);
 4. replan: rank 3 dead, the planner's best plan for the 3 survivors (the restorer assigns
-   the slots), run by the plan runtime;
-5. hetero: the same with the search held to two pipelines over all 3 survivors, i.e.
-   depths 2 and 1 with unequal microbatch shares.
+   the slots; may be heterogeneous), run by the plan runtime;
+5. uniform: the planner's best megatron-native plan for the survivors (equal depths and
+   shares, which may leave a survivor idle), run by the plan runtime: what a re-plan
+   without heterogeneous pipelines gets.
 
 The decision center plans with the runtime profile (``runtime_profile``: FLOP shares, gloo
 link figures) calibrated to case 1's measured step, as a running job would; the same
@@ -36,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CASE_PLAN = {"megatron": "plan", "plan": "plan", "reroute": "plan", "replan": "replan",
-             "hetero": "hetero"}
+             "uniform": "uniform"}
 """Each case and the plan it trains (a key of ``decide``'s result)."""
 CASES = tuple(CASE_PLAN)
 DEAD = 3
@@ -71,8 +72,7 @@ def decide(args, step_s: float) -> dict:
                               regroup_s=None)
     survivors = [(r,) for r in range(4) if r != DEAD]
     out = {"profile": profile, "plan": plan, "reroute": plan_reroute(plan, [DEAD], profile)}
-    two = SearchOptions(min_pipelines=2, max_pipelines=2, max_idle_units=0)
-    for name, options in (("replan", SearchOptions()), ("hetero", two)):
+    for name, options in (("replan", SearchOptions()), ("uniform", SearchOptions(uniform=True))):
         shape = Planner(profile, options).search(len(survivors)).pipelines
         out[name] = assign_slots(shape, survivors, live_holdings(plan, [DEAD]), profile)
     return out

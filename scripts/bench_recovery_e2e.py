@@ -128,8 +128,11 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=25)
     parser.add_argument("--timeout", type=float, default=900.0, help="per job, seconds")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         result = bench(args, Path(tmp))
+    # other processes on the host inflate every time: say how busy it was
+    result["load_average"] = [load_before, os.getloadavg()[0]]
     print(json.dumps(result, indent=2))
     return 0
 

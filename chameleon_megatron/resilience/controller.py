@@ -75,9 +75,9 @@ class Held:
     keep: tuple = ()
 
     @classmethod
-    def of(cls, trainer: Any) -> Held:
+    def of(cls, trainer: Any, rng: dict[str, Any]) -> Held:
         run = RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-                       scheduler=trainer.scheduler.state_dict(), rng=rng_state())
+                       scheduler=trainer.scheduler.state_dict(), rng=rng)
         return cls(run, ModelState(trainer.model, trainer.optimizer, role="source"),
                    (trainer.model, trainer.optimizer))
 
@@ -108,6 +108,19 @@ class RecoveryController:
         self.estimated_step_s: float | None = None
         self.last_regroup_s: float | None = None
         self.watcher = NcclAbortWatcher(job).start() if backend == "nccl" else None
+        self._step_start: tuple[int, dict[str, Any]] | None = None
+        """(iteration, RNG state) at the start of the step in progress."""
+
+    def step_started(self, iteration: int) -> None:
+        """Remember the RNG state a redo of this step must start from."""
+        self._step_start = (iteration, rng_state())
+
+    def rng_for_redo(self, applied: int) -> dict[str, Any]:
+        """The RNG state step ``applied + 1`` must start from: the one saved when the failed
+        step started, unless that step was applied (then: the current one)."""
+        if self._step_start is not None and self._step_start[0] == applied + 1:
+            return self._step_start[1]
+        return rng_state()
 
     def _keepalive(self) -> None:
         self.detector.hold(self.ft.startup_timeout_s)
@@ -126,7 +139,7 @@ class RecoveryController:
             logger.error("communication error but no failure announced within %.1f s: "
                          "leaving (%s)", timeouts.rendezvous_s, exc)
             return None
-        held = Held.of(trainer)
+        held = Held.of(trainer, self.rng_for_redo(trainer.iteration))
         while True:
             if self._recover(trainer, held, timeouts, abandoned):
                 return "redo"

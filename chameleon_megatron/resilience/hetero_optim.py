@@ -5,8 +5,9 @@ model-parallel group; a plan has neither. This one applies the same update: para
 groups as megatron forms them (no weight decay on biases and 1-D parameters, the
 ``wd_mult``/``max_lr``/``min_lr`` keys its LR scheduler reads), clipping by megatron's own
 ``clip_grad_by_total_norm_fp32`` with the global norm, then torch's AdamW (megatron's
-optimizer on a host without TransformerEngine or apex). ``layer_state.ModelState`` reads
-its state like a megatron optimizer's (``.optimizer`` is the torch optimizer).
+optimizer on a host without TransformerEngine or apex; with them megatron takes their fused
+AdamW, the same update up to rounding). ``layer_state.ModelState`` reads its state like a
+megatron optimizer's (``.optimizer`` is the torch optimizer).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 
 def param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
+    """megatron's default groups: weight decay except on biases and 1-D parameters."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -96,6 +96,7 @@ class ResiliencePlugin(TrainerPlugin):
             groups.set_timeouts(detector.timeouts.pg_s)
             self._relaxed = False
         self._iteration = iteration
+        self.controller.step_started(iteration)
         start = time.perf_counter()
         try:
             yield

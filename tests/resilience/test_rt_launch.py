@@ -19,9 +19,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_rt_support import free_port, guard_worker, run_launcher, start_launcher, stop  # noqa: E402
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-FT = ["--chameleon-ft", "--chameleon-ft-startup-timeout-s", "20"]
+# Start-up covers importing torch on a loaded 2-core machine (tens of seconds at worst).
+FT = ["--chameleon-ft", "--chameleon-ft-startup-timeout-s", "90"]
 
 
 def worker_main(argv: list[str]) -> int:
@@ -74,7 +75,7 @@ def _launch_args(nproc: int, tmp_path: Path, *worker_args: str) -> list[str]:
 def test_survivors_outlive_failures_and_read_each_announcement(tmp_path: Path) -> None:
     args = _launch_args(4, tmp_path, "--fail", "1:exit", "--fail", "2:hang", "--fail", "3:kill",
                         "--expect", "3", *FT)
-    code, seconds = run_launcher(args, tmp_path / "log", timeout_s=60)
+    code, seconds = run_launcher(args, tmp_path / "log", timeout_s=240)
     log = (tmp_path / "log").read_text()
     assert code == 0, log[-3000:]
     records = {r["rank"]: r for r in json.loads((tmp_path / "0.json").read_text())}
@@ -90,10 +91,10 @@ def test_survivors_outlive_failures_and_read_each_announcement(tmp_path: Path) -
 
 def test_without_chameleon_ft_it_is_plain_torchrun(tmp_path: Path) -> None:
     """One failure stops every worker (torchrun's behaviour) and the launch fails."""
-    args = _launch_args(2, tmp_path, "--fail", "1:exit", "--linger", "40")
-    code, seconds = run_launcher(args, tmp_path / "log", timeout_s=60)
+    args = _launch_args(2, tmp_path, "--fail", "1:exit", "--linger", "150")
+    code, seconds = run_launcher(args, tmp_path / "log", timeout_s=240)
     assert code != 0
-    assert seconds < 35, "the survivor should have been stopped, not left to finish"
+    assert seconds < 120, "the survivor should have been stopped, not left to finish"
     assert not (tmp_path / "0.json").exists()
 
 

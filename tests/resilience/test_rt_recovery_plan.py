@@ -12,11 +12,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.resilience.announce import FailureRecord, announce
-from chameleon_megatron.resilience.detector import StepTimer
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.controller import RecoveryController
+from chameleon_megatron.resilience.detector import FailureDetector, StepTimer
 from chameleon_megatron.resilience.faults import FaultInjector, InjectedFault
 from chameleon_megatron.resilience.job_store import JobStore
 from chameleon_megatron.resilience.layout import Pipeline, Plan, Stage, UniformLayout
@@ -201,3 +204,18 @@ def test_timeouts_take_the_worst_measured_step_the_estimator_the_median() -> Non
     assert (timer.step_time, timer.typical) == (3.0, 1.15)
     timer.reset()
     assert (timer.step_time, timer.typical) == (None, None)
+
+
+def test_a_redone_step_starts_from_the_rng_state_its_first_attempt_started_from() -> None:
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig()
+    controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+                                    injector=FaultInjector(0), ft=ft, me=0,
+                                    layout=UniformLayout(1, 1, 1), backend="gloo")
+    torch.manual_seed(7)
+    controller.step_started(5)
+    first = torch.rand(3)  # the failed attempt of step 5 consumed the stream
+    torch.set_rng_state(controller.rng_for_redo(applied=4)["torch"])
+    assert torch.equal(torch.rand(3), first)
+    after = torch.get_rng_state()
+    assert torch.equal(controller.rng_for_redo(applied=5)["torch"], after)  # step 5 was applied
