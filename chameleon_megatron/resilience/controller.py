@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience import runtime_state
@@ -37,9 +38,7 @@ from chameleon_megatron.resilience.job_store import JobStore
 from chameleon_megatron.resilience.layer_state import ModelState
 from chameleon_megatron.resilience.layout import UniformLayout
 from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.recovery_plan import (
-    NoRecoveryPlan, RecoveryDecision, decide, uniform_plan,
-)
+from chameleon_megatron.resilience.recovery_plan import RecoveryDecision, decide, uniform_plan
 from chameleon_megatron.resilience.recovery_record import PhaseClock, recovery_record, summary
 from chameleon_megatron.resilience.regroup import (
     DeclaredFailed, Membership, RegroupError, agree_membership, join_world, recovery_group,
@@ -133,6 +132,18 @@ class RecoveryController:
             logger.error("local error in the step (%s: %s): leaving, to be announced failed",
                          type(exc).__name__, exc)
             return None
+        try:
+            return self._handle(exc, trainer)
+        except dist.DistNetworkError as lost:  # the store's host (node 0's agent) is gone
+            path = trainer.args.save or trainer.args.load
+            message = (f"the job store is lost ({lost}): in-memory recovery is impossible; "
+                       f"restart the job with --load {path} to resume from its last checkpoint")
+            logger.error(message)
+            trainer.emit({"event": "recovery", "generation": self.generation,
+                          "fallback": "restart", "error": message})
+            raise RecoveryFailed(message) from lost
+
+    def _handle(self, exc: BaseException, trainer: Any) -> StepAction | None:
         abandoned = time.time()
         timeouts = self.detector.timeouts
         if not self.detector.wait_for_failures(timeouts.rendezvous_s):
@@ -264,7 +275,7 @@ class RecoveryController:
             decision = decide(current, alive=membership.members, stale=agreed.stale,
                               profile=profile, d_s=self._expected_time_to_failure(),
                               strategy=self.ft.strategy)
-        except (NoRecoveryPlan, ValueError) as exc:
+        except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}
         return decision.to_dict()

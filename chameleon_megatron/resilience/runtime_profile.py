@@ -35,7 +35,7 @@ CPU_GLOO = Hardware(
 )
 """gloo between processes of one CPU host: p2p and all-reduce of host tensors at ~1 and
 ~0.5 GB/s, state migration at ~0.2 GB/s and regrouping (new groups, model, optimizer)
-~1 s, the order measured in docs/benchmarks-recovery.md."""
+~1 s, the order measured in docs/benchmarks.md, Recovery."""
 
 
 def hardware_for(device: torch.device) -> Hardware:

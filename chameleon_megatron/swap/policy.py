@@ -7,7 +7,7 @@ problem with one constraint per over-budget event (``cover.py``). A sweep that t
 furthest-reaching windows first answers in milliseconds, and its linear relaxation, solved
 exactly by the same sweep, bounds the optimum from below; when the two differ and the
 problem is small, the exact 0-1 program (HiGHS through scipy) decides. On profiles of
-real steps the sweep lands within 1 % of the bound (docs/benchmarks-swap.md).
+real steps the sweep lands within 1 % of the bound (docs/benchmarks.md, Swap).
 
 When no choice meets the budget with copies that fit in the compute they overlap, the
 widest windows (copies assumed instant) are used and the plan states the stall the

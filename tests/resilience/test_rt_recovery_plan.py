@@ -18,7 +18,7 @@ import torch.distributed as dist
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.resilience.announce import FailureRecord, announce
 from chameleon_megatron.resilience.config import ResilienceConfig
-from chameleon_megatron.resilience.controller import RecoveryController
+from chameleon_megatron.resilience.controller import RecoveryController, RecoveryFailed
 from chameleon_megatron.resilience.detector import FailureDetector, StepTimer
 from chameleon_megatron.resilience.faults import FaultInjector, InjectedFault
 from chameleon_megatron.resilience.job_store import JobStore
@@ -219,3 +219,18 @@ def test_a_redone_step_starts_from_the_rng_state_its_first_attempt_started_from(
     assert torch.equal(torch.rand(3), first)
     after = torch.get_rng_state()
     assert torch.equal(controller.rng_for_redo(applied=5)["torch"], after)  # step 5 was applied
+
+
+def test_a_lost_job_store_ends_the_job_with_the_way_to_restart_it() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job = JobStore.connect("127.0.0.1", server.port, "run", timeout_s=5)
+    ft = ResilienceConfig()
+    controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+                                    injector=FaultInjector(0), ft=ft, me=0,
+                                    layout=UniformLayout(1, 1, 1), backend="gloo")
+    del server  # the agent hosting the store is gone
+    emitted: list[dict] = []
+    trainer = SimpleNamespace(args=SimpleNamespace(save="/ckpt", load=None), emit=emitted.append)
+    with pytest.raises(RecoveryFailed, match="restart the job with --load /ckpt"):
+        controller.handle(RuntimeError("Connection closed by peer"), trainer)
+    assert [r["fallback"] for r in emitted] == ["restart"]
