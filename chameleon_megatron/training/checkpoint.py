@@ -70,8 +70,9 @@ def _sharded_state(model, optimizer, *, is_loading: bool, with_optimizer: bool,
                    rng_layout: dict[str, int] | None) -> dict[str, Any]:
     state = _model_state(model)
     if with_optimizer:
+        # The optimizer's entries refer to the model's sharded tensors: build those once.
         state["optimizer"] = optimizer.sharded_state_dict(
-            _model_state(model), is_loading=is_loading, metadata=OPT_METADATA)
+            dict(state), is_loading=is_loading, metadata=OPT_METADATA)
     if rng_layout is not None:
         state["rng_state"] = _rng_object(rng_layout)
     return state
