@@ -61,13 +61,22 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     trainer = Trainer(args, cfg, build_plugins(cfg), env)
     try:
-        trainer.setup()
+        trainer.setup(join=joining(cfg))
         return trainer.train()
     finally:
         trainer.close()
         distributed.shutdown()
         te_absent.remove()
         platform.remove()
+
+
+def joining(cfg: ChameleonConfig) -> bool:
+    """Whether this process was started to join a running job (a restarted worker)."""
+    if not cfg.ft.enabled:
+        return False
+    from chameleon_megatron.resilience.joiners import join_id_from_env
+
+    return join_id_from_env() is not None
 
 
 def setup_logging() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -69,6 +70,14 @@ def set_timeouts(timeout_s: float) -> int:
     for group in groups:
         group.set_timeout(delta)
     return len(groups)
+
+
+def current_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
+    """The collective timeout ``group`` (default: the world's) has now. gloo's point-to-point
+    waits keep the timeout the group was created with unless given this one explicitly."""
+    group = group or dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    return group._get_backend(device).options._timeout  # set_timeout updates it
 
 
 def abort_communicators() -> int:

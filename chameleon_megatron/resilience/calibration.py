@@ -7,8 +7,8 @@ the fitted scale minimises the squared relative errors over all measurements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 from scipy.optimize import minimize_scalar
 
@@ -22,6 +22,8 @@ class Observation:
     plan: Plan
     measured_s: float
     label: str = ""
+    extra_microbatches: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    """(pipeline, stage) -> microbatches it ran for failed stages (a rerouted layout)."""
 
 
 @dataclass(frozen=True)
@@ -37,24 +39,24 @@ class Calibration:
         return sum(abs(r[3]) for r in self.rows) / len(self.rows)
 
 
-def _estimate(profile: Profile, plan: Plan, factor: float) -> float:
-    return plan_step(plan, profile.with_times_scaled(factor)).t_step_s
+def _estimate(profile: Profile, obs: Observation, factor: float) -> float:
+    return plan_step(obs.plan, profile.with_times_scaled(factor), obs.extra_microbatches).t_step_s
 
 
 def scale_for(profile: Profile, obs: Observation) -> float:
     """The compute-time scale at which the model predicts exactly ``obs.measured_s``."""
-    floor = _estimate(profile, obs.plan, 0.0)
+    floor = _estimate(profile, obs, 0.0)
     if obs.measured_s <= floor:
         raise ValueError(
             f"{obs.label or 'observation'}: measured {obs.measured_s:.4g}s is not above the "
             f"communication-only estimate {floor:.4g}s; check the profile's bandwidths"
         )
     lo, hi = 0.0, 1.0
-    while _estimate(profile, obs.plan, hi) < obs.measured_s:
+    while _estimate(profile, obs, hi) < obs.measured_s:
         lo, hi = hi, hi * 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _estimate(profile, obs.plan, mid) < obs.measured_s else (lo, mid)
+        lo, hi = (mid, hi) if _estimate(profile, obs, mid) < obs.measured_s else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -64,7 +66,7 @@ def calibrate(profile: Profile, observations: Sequence[Observation]) -> Calibrat
     scales = [scale_for(profile, o) for o in observations]
 
     def loss(factor: float) -> float:
-        return sum(((_estimate(profile, o.plan, factor) - o.measured_s) / o.measured_s) ** 2
+        return sum(((_estimate(profile, o, factor) - o.measured_s) / o.measured_s) ** 2
                    for o in observations)
 
     lo, hi = min(scales), max(scales)
@@ -72,6 +74,6 @@ def calibrate(profile: Profile, observations: Sequence[Observation]) -> Calibrat
         minimize_scalar(loss, bounds=(lo, hi), method="bounded", options={"xatol": 1e-9 * hi}).x)
     rows = []
     for o in observations:
-        est = _estimate(profile, o.plan, factor)
+        est = _estimate(profile, o, factor)
         rows.append((o.label, o.measured_s, est, (est - o.measured_s) / o.measured_s))
     return Calibration(profile=profile.with_times_scaled(factor), factor=factor, rows=tuple(rows))

@@ -36,8 +36,16 @@ class ResilienceConfig:
     """Steps measured (after the first, which is warm-up) before timeouts are derived from the step time."""
     node_timeout_s: float = 30.0
     """An agent (node) silent this long in the job store is declared lost with all its ranks."""
+    feedback_steps: int = 5
+    """Steps measured after each recovery (after one warm-up step) whose median is compared
+    with the decision center's estimate and recalibrates it; a rerouting job then asks it
+    again whether to re-plan."""
     profile: str | None = None
     """Decision-center profile JSON (``chameleon profile``); none: derived from the model and calibrated to the measured step time."""
+    respawns: int = 0
+    """How many failed workers this node's agent restarts, each as a new member that joins the job at its next step boundary (a repaired node); 0: none."""
+    respawn_delay_s: float = 5.0
+    """Seconds between a worker's failure and its restart."""
 
     def __post_init__(self) -> None:
         check(self.mtbf_prior_s > 0, "ft.mtbf_prior_s", self.mtbf_prior_s, "must be > 0")
@@ -48,7 +56,11 @@ class ResilienceConfig:
         check(self.min_pg_timeout_s > 0, "ft.min_pg_timeout_s", self.min_pg_timeout_s,
               "must be > 0")
         check(self.timing_steps >= 1, "ft.timing_steps", self.timing_steps, "must be >= 1")
+        check(self.feedback_steps >= 1, "ft.feedback_steps", self.feedback_steps, "must be >= 1")
         check(self.node_timeout_s > 0, "ft.node_timeout_s", self.node_timeout_s, "must be > 0")
+        check(self.respawns >= 0, "ft.respawns", self.respawns, "must be >= 0")
+        check(self.respawn_delay_s >= 0, "ft.respawn_delay_s", self.respawn_delay_s,
+              "must be >= 0")
         for text in self.inject_fault:
             try:
                 parse_fault(text)

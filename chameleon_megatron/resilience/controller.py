@@ -1,10 +1,18 @@
-"""The recovery controller: what a surviving rank does between a failed step and its redo.
+"""The recovery controller: what a surviving rank does between a failed step and its redo,
+and between two steps when the layout should change without a failure.
 
     abandon the step -> wait for the announcement -> survivors meet under a new generation
     -> agree on the newest completed step -> the leader asks the decision center
-    -> recovery group; active members: new world, megatron groups, fresh model/optimizer
+    -> recovery group; active members: new world, then megatron's groups and a fresh
+       model/optimizer (a uniform layout), or a plan's groups and runtime (heterogeneous
+       pipelines, or the kept layout rerouting around dead ranks)
     -> state moves from surviving replicas (old state kept until every transfer is
-       confirmed) -> LR schedule, data position, RNG -> "redo"
+       confirmed; rerouting copies in place) -> LR schedule, data position, RNG -> "redo"
+
+Between steps (``between_steps``) every active rank learns, in one small all-reduce, whether
+new members wait to join (restarted workers) or the decision center, recalibrated on the
+measured step times, now prefers a re-plan to the rerouting in use; then they all enter a
+new generation at the same step, as after a failure but with nothing to redo.
 
 Survivors without a slot wait as spares and join the next generation (or stop at the end of
 the job). When some state has no surviving copy, the new layout loads the last checkpoint
@@ -36,9 +44,16 @@ from chameleon_megatron.resilience.detector import (
 from chameleon_megatron.resilience.faults import FaultInjector
 from chameleon_megatron.resilience.job_store import JobStore
 from chameleon_megatron.resilience.layer_state import ModelState
-from chameleon_megatron.resilience.layout import UniformLayout
+from chameleon_megatron.resilience.estimator_feedback import Feedback
+from chameleon_megatron.resilience.hetero_plan import plan_refusal
+from chameleon_megatron.resilience.hetero_step import build_runtime
+from chameleon_megatron.resilience.hetero_sync import reduction_device
+from chameleon_megatron.resilience.join_queue import JoinQueue
+from chameleon_megatron.resilience.layout import Plan
 from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.recovery_plan import RecoveryDecision, decide, uniform_plan
+from chameleon_megatron.resilience.plan_engine import PlanEngine
+from chameleon_megatron.resilience.recovery_plan import RecoveryDecision, decide, world_order
+from chameleon_megatron.resilience.reroute_plan import ReroutePlan
 from chameleon_megatron.resilience.recovery_record import PhaseClock, recovery_record, summary
 from chameleon_megatron.resilience.regroup import (
     DeclaredFailed, Membership, RegroupError, agree_membership, join_world, recovery_group,
@@ -89,18 +104,29 @@ class RecoveryController:
     """One rank's recoveries over a job: its generation, the members and the layout."""
 
     def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
-                 ft: ResilienceConfig, me: int, layout: UniformLayout, backend: str) -> None:
+                 ft: ResilienceConfig, me: int, plan: Plan | None, backend: str) -> None:
+        """``plan``: the layout launched, over launch ranks (None: this process joins a
+        running job and learns the layout when admitted)."""
         self.job = job
         self.detector = detector
         self.injector = injector
         self.ft = ft
         self.me = me
         self.backend = backend
-        self.layout = layout
-        self.active: tuple[int, ...] = tuple(range(layout.world_size))
+        self.plan = plan
+        """The plan trained now (rerouting: the kept plan, dead ranks included)."""
+        self.reroute: ReroutePlan | None = None
+        self.active: tuple[int, ...] = world_order(plan)[1] if plan is not None else ()
         """Launch ranks of the current world, in world-rank order."""
         self.members = self.active
         """Every survivor of the last generation (spares included)."""
+        self.joiners = JoinQueue(job)
+        self.feedback = Feedback(warmup=1, window=ft.feedback_steps)
+        self._feedback_record: dict[str, Any] | None = None
+        self._cause, self._invited = "failure", ()
+        """Why the recovery in progress happens, and whom it admits."""
+        self._feedback_on = False
+        """Whether a recovery's layout is being measured against its estimate."""
         self.generation = 0
         self.known_failed: frozenset[int] = frozenset()
         self.started_at = time.time()
@@ -150,16 +176,87 @@ class RecoveryController:
             logger.error("communication error but no failure announced within %.1f s: "
                          "leaving (%s)", timeouts.rendezvous_s, exc)
             return None
+        # Leave the old world now: peers still blocked on this rank in the abandoned step
+        # see their connections close instead of waiting out the groups' creation timeout.
+        self._keepalive()
+        groups.destroy()
         held = Held.of(trainer, self.rng_for_redo(trainer.iteration))
+        self._cause, self._invited = "failure", ()
+        return self._serve(trainer, held, abandoned, timeouts)
+
+    def _serve(self, trainer: Any, held: Held, started: float,
+               timeouts: Timeouts) -> StepAction:
+        """Recover into the next layout; a spare waits for a later generation (or the end)."""
         while True:
-            if self._recover(trainer, held, timeouts, abandoned):
+            if self._recover(trainer, held, timeouts, started):
                 return "redo"
             if wait_as_spare(self.job, self.generation, on_wait=self.detector.beat) == "done":
                 # A spare holds no part of the model: it must not join the final checkpoint.
                 trainer.args = copy.copy(trainer.args)
                 trainer.args.save = None
                 return "stop"
-            held, abandoned, timeouts = Held.nothing(), time.time(), self.detector.timeouts
+            held, started, timeouts = Held.nothing(), time.time(), self.detector.timeouts
+
+    # ----------------------------------------------------------------------- no failure
+    def step_done(self, seconds: float) -> None:
+        """A training step of the current layout took ``seconds`` (for estimator feedback)."""
+        if self._feedback_on:
+            record = self.feedback.step(seconds)
+            if record is not None:
+                self._feedback_record = record
+
+    def between_steps(self, trainer: Any) -> StepAction | None:
+        """Admit waiting joiners, or leave rerouting when a re-plan now scores better: all
+        active ranks agree (one all-reduce) and change layout together."""
+        record, self._feedback_record = self._feedback_record, None
+        if record is not None:
+            trainer.emit(record)
+        replan = record is not None and self.reroute is not None and trainer.env.rank == 0 \
+            and self._replan_now_wins(trainer)
+        flags = torch.tensor([self.joiners.waiting(), int(replan)], dtype=torch.int64,
+                             device=reduction_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        waiting, replan = int(flags[0]), bool(flags[1])
+        invited = self.joiners.take(waiting)
+        if not invited and not replan:
+            return None
+        cause = "join" if invited else "replan"
+        logger.info({"event": "transition", "cause": cause, "invited": list(invited),
+                     "iteration": trainer.iteration})
+        held = Held.of(trainer, rng_state())
+        self._invite(invited)
+        self._cause = cause
+        action = self._serve(trainer, held, time.time(), self.detector.timeouts)
+        return "stop" if action == "stop" else None
+
+    def _replan_now_wins(self, trainer: Any) -> bool:
+        """The decision center, with the step times measured since the rerouting, for the
+        same survivors: does it now choose the re-plan?"""
+        members = [r for r in self.members if r not in self.reroute.failed_ranks]
+        agreed = Agreed(iteration=trainer.iteration, consumed_samples=0, scheduler={},
+                        fresh=tuple(members), stale=())
+        data = self._decide(trainer, Membership(self.generation, tuple(members), frozenset()),
+                            agreed)
+        return data.get("mode") not in (None, "reroute")
+
+    def _invite(self, invited: tuple[int, ...]) -> None:
+        """Tell the next generation to wait for ``invited`` too, and them which it is."""
+        scope = self.job.scoped(f"gen/{self.generation + 1}")
+        scope.set("expected", json.dumps(sorted(set(self.members) | set(invited))))
+        for rank in invited:
+            self.joiners.admit(rank, self.generation + 1)
+        self._invited = invited
+
+    def join(self, trainer: Any) -> StepAction:
+        """This process joins the running job: wait to be invited, then recover into the
+        generation that admits it (holding nothing); "stop" when the job ends first."""
+        generation = self.joiners.wait_for_invitation(self.me, on_wait=self.detector.beat)
+        if generation is None:
+            return "stop"
+        self.generation = generation - 1
+        self.members = (self.me,)  # the generation's "expected" names the others
+        self._cause, self._invited = "join", (self.me,)
+        return self._serve(trainer, Held.nothing(), time.time(), self.detector.timeouts)
 
     def metrics(self) -> dict[str, Any]:
         return {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
@@ -265,16 +362,17 @@ class RecoveryController:
 
     def _decide(self, trainer: Any, membership: Membership, agreed: Agreed) -> dict[str, Any]:
         args = trainer.args
-        current = uniform_plan(self.layout, self.active, args.num_layers,
-                               args.global_batch_size // args.micro_batch_size)
         try:
             profile = runtime_profile(args, path=self.ft.profile,
-                                      hardware=hardware_for(trainer.device), plan=current,
+                                      hardware=hardware_for(trainer.device), plan=self.plan,
+                                      reroute=self.reroute,
                                       step_time_s=self.detector.typical_step_time,
-                                      regroup_s=self.last_regroup_s)
-            decision = decide(current, alive=membership.members, stale=agreed.stale,
+                                      regroup_s=self.last_regroup_s,
+                                      history=self.feedback.observations())
+            decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
                               profile=profile, d_s=self._expected_time_to_failure(),
-                              strategy=self.ft.strategy)
+                              strategy=self.ft.strategy,
+                              plans=plan_refusal(args, self.plan))
         except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}
@@ -288,13 +386,23 @@ class RecoveryController:
 
     def _rebuild(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
                  timeouts: Timeouts) -> None:
-        lay = decision.layout
-        rank = decision.active.index(self.me)
-        join_world(self.job, membership, rank, lay.world_size, backend=self.backend,
+        rank, size = decision.active.index(self.me), len(decision.active)
+        join_world(self.job, membership, rank, size, backend=self.backend,
                    timeout_s=timeouts.rendezvous_s)
-        groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
+        if decision.mode == "megatron":
+            lay = decision.layout
+            groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
+            self._keepalive()
+            trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size)
+            return
+        runtime = build_runtime(
+            trainer.args, decision.plan, self.me, sync_groups=decision.sync_groups,
+            sync_rounds=decision.sync_rounds,
+            world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
+            timeout_s=timeouts.rendezvous_s)
         self._keepalive()
-        trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=lay.world_size)
+        trainer.use_engine(PlanEngine(runtime, trainer.datasets.train, trainer.device),
+                           rank=rank, world_size=size)
 
     def _load_checkpoint(self, trainer: Any) -> None:
         path = trainer.args.save or trainer.args.load
@@ -310,27 +418,46 @@ class RecoveryController:
         new = membership.failed - self.known_failed
         failures = [f for f in read_failures(self.job) if f.rank in new]
         self.known_failed = membership.failed
-        self.layout, self.active = decision.layout, decision.active
+        self.plan, self.active, self.reroute = decision.plan, decision.active, decision.reroute
         self.estimated_step_s = decision.estimated_step_s
         self.detector.new_layout()
         if self.watcher is not None:
             self.watcher.rearm()
         phases = clock.phases()
         self.last_regroup_s = phases["regroup"]
+        if decision.estimated_step_s:
+            self.feedback.start(f"generation {membership.generation}", decision.plan,
+                                decision.estimated_step_s, decision.reroute)
+            self._feedback_on = True
         if not active:
             logger.info("rank %d waits as a spare (generation %d)", self.me, self.generation)
             return
         groups.set_timeouts(self.detector.timeouts.pg_s)
-        lay = decision.layout
         record = recovery_record(
             generation=membership.generation, failures=failures, decision=dict(decision.record),
-            phases=phases, layout_after={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
-                                         "ranks": list(decision.active)},
-            spares=decision.spares, redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
-            fallback=decision.fallback)
+            phases=phases, layout_after=_layout_after(decision), spares=decision.spares,
+            redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
+            fallback=decision.fallback, cause=self._cause,
+            joined=set(self._invited) & set(membership.members))
         trainer.emit(record)
         if trainer.env.rank == 0:
             logger.info(summary(record))
+
+
+def _layout_after(decision: RecoveryDecision) -> dict[str, Any]:
+    plan = decision.plan
+    out: dict[str, Any] = {"mode": decision.mode, "ranks": list(decision.active),
+                           "plan": plan.describe()}
+    if decision.mode == "megatron":
+        lay = decision.layout
+        out.update(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    else:
+        out["pipelines"] = [{"stages": [list(st.ranks) for st in p.stages],
+                             "layers": [len(st.layers) for st in p.stages],
+                             "microbatches": p.microbatches} for p in plan.pipelines]
+    if decision.reroute is not None:
+        out["rerouted"] = list(decision.reroute.failed_ranks)
+    return out
 
 
 def _agree(states: dict[int, RunState]) -> Agreed:

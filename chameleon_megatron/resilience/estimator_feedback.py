@@ -5,9 +5,9 @@ does (issue item 4).
 
 ``Feedback`` is the one place that keeps measurements (passed explicitly, no globals): the
 controller calls ``start`` when a layout begins (after a recovery, with the estimate the
-decision used), ``step`` after every training step, and reads ``profile()`` before the next
-decision. Each layout yields one ``{"event": "estimator", ...}`` record once enough steps
-are measured.
+decision used), ``step`` after every training step, and calibrates the next decision's
+profile on ``observations()`` (``runtime_profile``). Each layout yields one
+``{"event": "estimator", ...}`` record once enough steps are measured.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from chameleon_megatron.resilience.calibration import Observation, calibrate
+from chameleon_megatron.resilience.calibration import Observation
 from chameleon_megatron.resilience.layout import Plan
-from chameleon_megatron.resilience.profile import Profile
 from chameleon_megatron.resilience.reroute_plan import ReroutePlan
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ class _Layout:
     label: str
     plan: Plan
     estimated_s: float
-    rerouted: bool
+    reroute: ReroutePlan | None
     times: list[float] = field(default_factory=list)
 
 
@@ -41,10 +40,10 @@ class Feedback:
     one-off costs); ``window``: steps whose median is the layout's measured step time.
     """
 
-    def __init__(self, profile: Profile, *, warmup: int = 1, window: int = 5) -> None:
+    def __init__(self, *, warmup: int = 1, window: int = 5) -> None:
         if warmup < 0 or window < 1:
             raise ValueError(f"warmup={warmup} must be >= 0 and window={window} >= 1")
-        self._base, self.warmup, self.window = profile, warmup, window
+        self.warmup, self.window = warmup, window
         self._layouts: list[_Layout] = []
 
     def start(self, label: str, plan: Plan, estimated_s: float,
@@ -54,7 +53,7 @@ class Feedback:
             raise ValueError(f"estimated_s={estimated_s}: must be > 0")
         if reroute is not None and reroute.plan != plan:
             raise ValueError("the rerouting plan is for another plan than the one given")
-        self._layouts.append(_Layout(label, plan, estimated_s, reroute is not None))
+        self._layouts.append(_Layout(label, plan, estimated_s, reroute))
 
     def step(self, seconds: float) -> dict[str, Any] | None:
         """Record one step of the current layout; returns its feedback record when the
@@ -72,7 +71,7 @@ class Feedback:
     def _record(self, layout: _Layout) -> dict[str, Any]:
         measured = self._measured(layout)
         return {"event": "estimator", "label": layout.label, "plan": layout.plan.describe(),
-                "rerouted": layout.rerouted, "estimated_s": layout.estimated_s,
+                "rerouted": layout.reroute is not None, "estimated_s": layout.estimated_s,
                 "measured_s": measured,
                 "error": (layout.estimated_s - measured) / measured,
                 "steps": self.window}
@@ -80,10 +79,9 @@ class Feedback:
     def _measured(self, layout: _Layout) -> float:
         return statistics.median(layout.times[self.warmup:self.warmup + self.window])
 
-    def profile(self) -> Profile:
-        """The profile calibrated to every complete whole-pipeline layout (the input profile
-        while there is none). Rerouted layouts are reported but not fitted: the calibration's
-        observations cannot express rerouted microbatches yet."""
-        done = [Observation(x.plan, self._measured(x), x.label) for x in self._layouts
-                if not x.rerouted and len(x.times) >= self.warmup + self.window]
-        return calibrate(self._base, done).profile if done else self._base
+    def observations(self) -> list[Observation]:
+        """Every layout measured over a whole window (rerouted ones with their extra
+        microbatches), for calibrating the performance model."""
+        return [Observation(x.plan, self._measured(x), x.label,
+                            x.reroute.extra_microbatches() if x.reroute else {})
+                for x in self._layouts if len(x.times) >= self.warmup + self.window]

@@ -78,8 +78,9 @@ def first_last(counts: Sequence[int]) -> tuple[int | None, int | None]:
     return first, last
 
 
-def check_supported(args: argparse.Namespace, plan: Plan) -> None:
-    """Refuse, before any work, what the plan runtime does not execute yet."""
+def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
+    """Why the plan runtime cannot train this model on ``plan``'s tensor/virtual-pipeline
+    sizes (the first reason), or None when it can."""
     limits = [
         (plan.tp == 1, f"tp={plan.tp}: plans execute with tensor parallelism 1 only"),
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
@@ -91,8 +92,13 @@ def check_supported(args: argparse.Namespace, plan: Plan) -> None:
         (plan.num_layers == args.num_layers,
          f"plan has {plan.num_layers} layers, the model {args.num_layers}"),
     ]
-    for ok, message in limits:
-        if not ok:
-            raise ValueError(message)
+    return next((message for ok, message in limits if not ok), None)
+
+
+def check_supported(args: argparse.Namespace, plan: Plan) -> None:
+    """Refuse, before any work, what the plan runtime does not execute yet."""
+    refusal = plan_refusal(args, plan)
+    if refusal is not None:
+        raise ValueError(refusal)
     for pipe in plan.pipelines:
         first_last([len(st.layers) for st in pipe.stages])

@@ -39,7 +39,7 @@ from chameleon_megatron.resilience.layout import Plan
 from chameleon_megatron.resilience.reroute_plan import ReroutePlan
 from chameleon_megatron.resilience.restorer_plan import AllReduceGroup
 from chameleon_megatron.training import data
-from chameleon_megatron.training.step import StepResult, loss_func
+from chameleon_megatron.training.step import Applied, StepResult, loss_func
 
 Batches = Callable[[int], dict]
 """Global microbatch index of the step -> its batch (tokens, labels, loss_mask, position_ids)."""
@@ -126,31 +126,59 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
 
 
 def run_hetero_step(rt: PlanRuntime, batches: Batches) -> StepResult:
-    """One training step of ``rt.plan``: this rank's pipeline runs megatron's 1F1B over its
-    microbatches, gradients are synced per layer, the optimizer steps. The LR scheduler is
-    the caller's (as in the trainer)."""
+    """One training step of ``rt.plan`` with its loss (see ``hetero_train``)."""
+    return step_result(hetero_train(rt, batches))
+
+
+def hetero_train(rt: PlanRuntime, batches: Batches) -> Applied:
+    """This rank's pipeline runs megatron's 1F1B over its microbatches, gradients are synced
+    per layer, the optimizer steps. The LR scheduler is the caller's (as in the trainer)."""
     if rt.reroute is not None:
-        raise ValueError("this runtime reroutes: train it with reroute_step.run_reroute_step")
+        raise ValueError("this runtime reroutes: train it with reroute_step.reroute_train")
+    rt.optimizer.zero_grad()
+    return apply_update(rt, _pipeline_schedule(rt, batches, forward_only=False))
+
+
+@torch.no_grad()
+def hetero_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
+    """Forward only over the plan's microbatches: global loss per token and token count."""
+    rt.model.eval()
+    try:
+        reports = _pipeline_schedule(rt, batches, forward_only=True)
+    finally:
+        rt.model.train()
+    return plan_loss(reports)
+
+
+def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool) -> list[dict]:
     ids = microbatch_ids(rt.plan)[rt.slot.pipeline]
     depth = rt.plan.pipelines[rt.slot.pipeline].depth
-    rt.optimizer.zero_grad()
     schedule = get_forward_backward_func(pp_size=depth, vp_size=None)
-    reports = schedule(
+    return schedule(
         forward_step_func=forward_step, data_iterator=(batches(g) for g in ids),
         model=rt.model, num_microbatches=len(ids), seq_length=rt.args.seq_length,
-        micro_batch_size=rt.args.micro_batch_size, forward_only=False,
+        micro_batch_size=rt.args.micro_batch_size, forward_only=forward_only,
         p2p_communicator=rt.p2p, pg_collection=rt.schedule_groups(),
     )
-    return finish_step(rt, reports)
 
 
-def finish_step(rt: PlanRuntime, reports: list[dict]) -> StepResult:
-    """Optimizer step (gradients already synced), then the global loss for the record."""
+def apply_update(rt: PlanRuntime, reports: list[dict]) -> Applied:
+    """The optimizer step (gradients already synced)."""
     applied, norm, _ = rt.optimizer.step()
+    return Applied(reports=reports, grad_norm=norm, skipped=not applied)
+
+
+def plan_loss(reports: list[dict]) -> tuple[float | None, int]:
+    """Sum the reports of every rank of the plan: loss per token and token count."""
     totals = torch.zeros(2, dtype=torch.float64, device=reduction_device())
     for r in reports:
         totals += r["lm loss"].detach().to(totals.device, torch.float64)
     dist.all_reduce(totals)
     loss_sum, tokens = totals.tolist()
-    return StepResult(loss=loss_sum / tokens if tokens else None, tokens=int(tokens),
-                      grad_norm=norm, skipped=not applied)
+    return (loss_sum / tokens if tokens else None), int(tokens)
+
+
+def step_result(applied: Applied) -> StepResult:
+    loss, tokens = plan_loss(applied.reports)
+    return StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
+                      skipped=applied.skipped)

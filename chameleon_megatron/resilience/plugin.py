@@ -4,10 +4,13 @@
 
 ``on_model_built`` (first time) connects to the job store, starts heartbeats with the
 start-up timeouts and builds the recovery controller; every time, it installs the fault
-injection hooks on the (re)built model. ``step_context`` times each training step: the
-detector derives the timeouts from it and beats; before a checkpoint or an evaluation the
-timeouts are relaxed to the start-up value until the next step. ``on_step_failed`` hands the
-failure to the controller. ``metrics`` adds ``{"ft": {"generation", "estimated_step_s"}}``.
+injection hooks on the (re)built model. A restarted worker (``joiners.JOIN_ENV`` set) builds
+its controller in ``on_train_start`` instead and waits there to be admitted into the job.
+``step_context`` times each training step: the detector derives the timeouts from it and
+beats, estimator feedback gets the time; before a checkpoint or an evaluation the timeouts
+are relaxed to the start-up value until the next step. ``on_step_failed`` hands the failure
+to the controller, ``between_steps`` lets it admit joiners or leave rerouting. ``metrics``
+adds ``{"ft": {"generation", "estimated_step_s"}}``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from chameleon_megatron.resilience.fault_hooks import install_fault_hooks
 from chameleon_megatron.resilience.faults import FaultInjector
 from chameleon_megatron.resilience.job_store import JobStore
 from chameleon_megatron.resilience.layer_state import ModelState
+from chameleon_megatron.resilience.joiners import join_id_from_env
 from chameleon_megatron.resilience.layout import UniformLayout
+from chameleon_megatron.resilience.recovery_plan import uniform_plan
 from chameleon_megatron.resilience.profile import load_profile
 from chameleon_megatron.resilience.runtime_profile import check_profile
 from chameleon_megatron.training.plugin import StepAction, TrainContext, TrainerPlugin
@@ -73,17 +78,32 @@ class ResiliencePlugin(TrainerPlugin):
 
     def _start(self, ctx: TrainContext) -> RecoveryController:
         check_supported(ctx, self.ft)
-        job = JobStore.from_env()
-        detector = FailureDetector(job, ctx.rank, self.ft)
-        detector.beat()
-        groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default
         a = ctx.args
         layout = UniformLayout(tp=a.tensor_model_parallel_size,
                                pp=a.pipeline_model_parallel_size, dp=a.data_parallel_size)
+        plan = uniform_plan(layout, range(layout.world_size), a.num_layers,
+                            a.global_batch_size // a.micro_batch_size)
+        return self._controller(ctx.rank, plan, dist.get_backend())
+
+    def _controller(self, me: int, plan: Any, backend: str) -> RecoveryController:
+        job = JobStore.from_env()
+        detector = FailureDetector(job, me, self.ft)
+        detector.beat()
+        groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default
         return RecoveryController(
-            job=job, detector=detector, injector=FaultInjector.from_strings(ctx.rank,
-                                                                            self.ft.inject_fault),
-            ft=self.ft, me=ctx.rank, layout=layout, backend=dist.get_backend())
+            job=job, detector=detector,
+            injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
+            plan=plan, backend=backend)
+
+    def on_train_start(self, trainer: Any) -> StepAction | None:
+        me = join_id_from_env()
+        if me is None:
+            return None
+        self._args = trainer.args
+        backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+        self.controller = self._controller(me, None, backend)
+        logger.info("rank %d waits to join the running job", me)
+        return "stop" if self.controller.join(trainer) == "stop" else None
 
     @contextlib.contextmanager
     def step_context(self, iteration: int, *, training: bool) -> Iterator[None]:
@@ -102,7 +122,9 @@ class ResiliencePlugin(TrainerPlugin):
             yield
         finally:
             self._iteration = 0
-        detector.step_done(iteration, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        detector.step_done(iteration, seconds)
+        self.controller.step_done(seconds)
         self._completed = iteration
         if self._slow_work_after(iteration):
             detector.hold(self.ft.startup_timeout_s)
@@ -122,6 +144,10 @@ class ResiliencePlugin(TrainerPlugin):
         action = self.controller.handle(exc, trainer)
         self._leaving = action is None
         return action
+
+    def between_steps(self, trainer: Any) -> StepAction | None:
+        assert self.controller is not None, "on_model_built was not called"
+        return self.controller.between_steps(trainer)
 
     def metrics(self) -> dict[str, Any]:
         return {"ft": self.controller.metrics()} if self.controller is not None else {}

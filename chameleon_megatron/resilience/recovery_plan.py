@@ -1,32 +1,43 @@
 """What the survivors of a failure do next: the decision center's answer as a runnable plan.
 
-Pure: from the layout trained so far (a ``Plan`` over launch ranks), who is alive, whose state
-is stale and a profile, ``decide`` builds both candidates (rerouting, re-plan restricted to
-uniform layouts), scores them (Eq. 8), and returns a ``RecoveryDecision``: the megatron layout
-and the world-rank order of the active survivors, the spares, the restorer's transfer list,
-whether the job must fall back to its checkpoint, and the decision record. Only the uniform
-re-plan is executable in this runtime; when rerouting wins the score, the re-plan is executed
-and the record says why.
-"""
+Pure: from the plan trained so far (over launch ranks; it may already be rerouting around
+dead ranks), who is alive, whose state is stale and a profile, ``decide`` builds both
+candidates (rerouting, re-plan), scores them (Eq. 8) and returns a ``RecoveryDecision``: how
+the next layout runs (``mode``), its plan and the world-rank order of its active ranks, the
+spares, the restorer's transfer list, the gradient-sync groups of a plan, whether the job
+must fall back to its checkpoint, and the decision record. Modes:
 
+* ``megatron``: a uniform layout, trained by megatron's own parallel state;
+* ``hetero``: pipelines of different depths, splits or shares (``hetero_step``);
+* ``reroute``: the current plan kept, the dead ranks' microbatches rerouted (``reroute_step``).
+
+The last two need a model the plan runtime executes (``hetero_plan.check_supported``);
+without one the re-plan is restricted to uniform layouts and rerouting is not executed.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from chameleon_megatron.resilience.candidates import (
-    REPLAN, REROUTE, reroute_candidate, replan_candidate,
+    REPLAN, REROUTE, Candidate, reroute_candidate, replan_candidate,
 )
+from chameleon_megatron.resilience.hetero_plan import kept_in_place, stage_major_order
 from chameleon_megatron.resilience.layout import (
     Pipeline, Plan, Stage, UniformLayout, contiguous_layers,
 )
 from chameleon_megatron.resilience.perf_model import unit_cost
 from chameleon_megatron.resilience.planner import Planner, SearchOptions
 from chameleon_megatron.resilience.profile import Profile
-from chameleon_megatron.resilience.restorer_plan import Holdings, Transfer, unit_order
+from chameleon_megatron.resilience.reroute_plan import Reroute, ReroutePlan
+from chameleon_megatron.resilience.restorer_plan import (
+    AllReduceGroup, Holdings, Transfer, allreduce_groups, allreduce_rounds, unit_order,
+)
 from chameleon_megatron.resilience.selector import NoFeasibleCandidate, Strategy, select
 
 CHECKPOINT = "checkpoint"
+Mode = Literal["megatron", "hetero", "reroute"]
 
 
 class NoRecoveryPlan(ValueError):
@@ -35,9 +46,11 @@ class NoRecoveryPlan(ValueError):
 
 @dataclass(frozen=True)
 class RecoveryDecision:
-    """The layout to rebuild and how state gets there; identical on every member."""
+    """The layout to build and how state gets there; identical on every member."""
 
-    layout: UniformLayout
+    mode: Mode
+    plan: Plan
+    """The plan trained next, over launch ranks (rerouting: the kept plan, dead ranks in)."""
     active: tuple[int, ...]
     """Launch ranks of the new world, in world-rank order."""
     spares: tuple[int, ...]
@@ -48,28 +61,53 @@ class RecoveryDecision:
     """``"checkpoint"`` when some state has no surviving copy, else None."""
     estimated_step_s: float | None
     """The estimator's step time of the new layout."""
+    reroute: ReroutePlan | None = None
+    """Mode ``reroute``: who takes the dead ranks' microbatches."""
+    sync_groups: tuple[AllReduceGroup, ...] = ()
+    sync_rounds: tuple[tuple[int, ...], ...] = ()
+    """Modes ``hetero``/``reroute``: the restorer's gradient all-reduce groups and rounds."""
     rng_donor: Mapping[int, int] = field(default_factory=dict)
     """Active launch rank -> the member whose RNG streams it continues."""
     record: Mapping[str, Any] = field(default_factory=dict)
     """Decision record: D, B, both candidates, the choice, what was executed and why."""
 
+    @property
+    def layout(self) -> UniformLayout:
+        """Mode ``megatron``: the layout megatron builds."""
+        if self.mode != "megatron":
+            raise ValueError(f"a {self.mode} plan has no megatron layout")
+        return world_order(self.plan)[0]
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "layout": [self.layout.tp, self.layout.pp, self.layout.dp],
+            "mode": self.mode, "plan": self.plan.to_dict(),
             "active": list(self.active), "spares": list(self.spares),
             "transfers": [[t.src, t.dst, t.layer, t.kind, t.bytes] for t in self.transfers],
             "fallback": self.fallback, "estimated_step_s": self.estimated_step_s,
+            "reroute": None if self.reroute is None else self.reroute.to_dict(),
+            "sync_groups": [[list(g.ranks), list(g.layers), g.bytes] for g in self.sync_groups],
+            "sync_rounds": [list(r) for r in self.sync_rounds],
             "rng_donor": [[r, d] for r, d in self.rng_donor.items()], "record": self.record,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RecoveryDecision:
-        tp, pp, dp = d["layout"]
-        return cls(layout=UniformLayout(tp=tp, pp=pp, dp=dp), active=tuple(d["active"]),
-                   spares=tuple(d["spares"]),
-                   transfers=tuple(Transfer(*t) for t in d["transfers"]),
-                   fallback=d["fallback"], estimated_step_s=d["estimated_step_s"],
-                   rng_donor={r: dn for r, dn in d["rng_donor"]}, record=d["record"])
+        plan = Plan.from_dict(d["plan"])
+        return cls(
+            mode=d["mode"], plan=plan, active=tuple(d["active"]), spares=tuple(d["spares"]),
+            transfers=tuple(Transfer(*t) for t in d["transfers"]), fallback=d["fallback"],
+            estimated_step_s=d["estimated_step_s"],
+            reroute=None if d["reroute"] is None else reroute_from_dict(plan, d["reroute"]),
+            sync_groups=tuple(AllReduceGroup(tuple(r), tuple(u), b)
+                              for r, u, b in d["sync_groups"]),
+            sync_rounds=tuple(tuple(r) for r in d["sync_rounds"]),
+            rng_donor={r: dn for r, dn in d["rng_donor"]}, record=d["record"])
+
+
+def reroute_from_dict(plan: Plan, d: Mapping[str, Any]) -> ReroutePlan:
+    return ReroutePlan(plan=plan, failed_ranks=tuple(d["failed_ranks"]), reroutes=tuple(
+        Reroute(pipeline=r["pipeline"], stage=r["stage"],
+                targets=tuple(tuple(t) for t in r["targets"])) for r in d["reroutes"]))
 
 
 def uniform_plan(layout: UniformLayout, active: Sequence[int], num_layers: int,
@@ -144,49 +182,88 @@ def local_copies(plan: Plan, holdings: Holdings, profile: Profile) -> tuple[Tran
 
 
 def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile: Profile,
-           d_s: float, strategy: Strategy = "adaptive",
-           time_limit_s: float | None = 2.0) -> RecoveryDecision:
-    """Both candidates for the survivors ``alive`` of ``current``, the choice, and the plan
-    executed (the uniform re-plan). ``stale`` members are alive but hold no usable state."""
+           d_s: float, strategy: Strategy = "adaptive", time_limit_s: float | None = 2.0,
+           plans: str | None = None) -> RecoveryDecision:
+    """Both candidates for the survivors ``alive`` of ``current``, the choice, and how it
+    runs. ``stale`` members are alive but hold no usable state (spares, joiners). ``plans``:
+    None when the plan runtime executes this model, else why not (then only uniform
+    re-plans are made and rerouting is scored but not executed)."""
     alive_set, stale_set = set(alive), set(stale)
     dead = set(current.ranks()) - alive_set
     holdings = {r: h for r, h in current.holdings().items()
                 if r in alive_set and r not in stale_set}
-    planner = Planner(profile, SearchOptions(uniform=True, time_limit_s=time_limit_s))
+    planner = Planner(profile, SearchOptions(uniform=plans is not None,
+                                             time_limit_s=time_limit_s))
     reroute = reroute_candidate(current, dead, planner)
     replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
+    if replan.restore is not None and replan.restore.unrecoverable and \
+            not replan.plan.is_uniform:  # a checkpoint loads into megatron layouts only
+        planner = Planner(profile, SearchOptions(uniform=True, time_limit_s=time_limit_s))
+        replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
     try:
         selected = select([reroute, replan], d_s=d_s, batch=profile.global_batch_size,
                           strategy=strategy)
         record, choice = dict(selected.record), selected.chosen.name
     except NoFeasibleCandidate as exc:
         record, choice = dict(exc.record), None
-    if replan.plan is None or replan.restore is None:
-        raise NoRecoveryPlan(f"no layout for the survivors {sorted(alive_set)}: {replan.reason}")
-    restore = replan.restore
-    fallback = CHECKPOINT if restore.unrecoverable else None
-    layout, active = world_order(replan.plan)
+    if choice == REROUTE and plans is None and reroute.reroute is not None:
+        decision = _rerouted(current, reroute, holdings, profile)
+    else:
+        decision = _replanned(replan, holdings, profile, alive_set)
     record.update(
-        executed=REPLAN, executed_reason=_reason(choice, fallback), fallback=fallback,
-        lost=sorted({u for u, _ in restore.lost}, key=unit_order),
-        stale=sorted(stale_set), layout_before=current.describe(),
-        transfers=0 if fallback else len(restore.transfers),
-        bytes_planned=0.0 if fallback else restore.bytes_moved(),
+        executed=decision.mode if decision.mode == REROUTE else REPLAN,
+        mode=decision.mode, executed_reason=_reason(choice, decision.fallback, plans),
+        fallback=decision.fallback, stale=sorted(stale_set), layout_before=current.describe(),
+        layout_after=decision.plan.describe(),
+        transfers=sum(t.src != t.dst for t in decision.transfers),
+        bytes_planned=sum(t.bytes for t in decision.transfers if t.src != t.dst),
     )
+    if decision.mode != REROUTE:
+        record["lost"] = sorted({u for u, _ in replan.restore.lost}, key=unit_order)
+    return dataclasses.replace(decision, record=record)
+
+
+def _rerouted(current: Plan, cand: Candidate, holdings: Holdings,
+              profile: Profile) -> RecoveryDecision:
+    """Keep ``current``; the survivors keep their stages (copied into the plan runtime)."""
+    rp = cand.reroute
+    dead = set(rp.failed_ranks)
     return RecoveryDecision(
-        layout=layout, active=active, spares=tuple(sorted(alive_set - set(active))),
-        transfers=() if fallback else
-        local_copies(replan.plan, holdings, profile) + restore.transfers, fallback=fallback,
-        estimated_step_s=replan.t_step_s, rng_donor=rng_donors(replan.plan, holdings),
-        record=record,
-    )
+        mode="reroute", plan=current,
+        active=tuple(r for r in stage_major_order(current) if r not in dead),
+        spares=(), transfers=kept_in_place(current, dead), fallback=None,
+        estimated_step_s=cand.t_step_s, reroute=rp,
+        sync_groups=allreduce_groups(current, profile),
+        sync_rounds=allreduce_rounds(current, profile),
+        rng_donor=rng_donors(current, holdings))
 
 
-def _reason(choice: str | None, fallback: str | None) -> str:
+def _replanned(replan: Candidate, holdings: Holdings, profile: Profile,
+               alive: set[int]) -> RecoveryDecision:
+    if replan.plan is None or replan.restore is None:
+        raise NoRecoveryPlan(f"no layout for the survivors {sorted(alive)}: {replan.reason}")
+    plan, restore = replan.plan, replan.restore
+    fallback = CHECKPOINT if restore.unrecoverable else None
+    try:
+        mode: Mode = "megatron"
+        active = world_order(plan)[1]
+        groups, rounds = (), ()
+    except ValueError:  # not a layout megatron expresses
+        mode = "hetero"
+        active = stage_major_order(plan)
+        groups, rounds = allreduce_groups(plan, profile), allreduce_rounds(plan, profile)
+    return RecoveryDecision(
+        mode=mode, plan=plan, active=active, spares=tuple(sorted(alive - set(active))),
+        transfers=() if fallback else local_copies(plan, holdings, profile) + restore.transfers,
+        fallback=fallback, estimated_step_s=replan.t_step_s, sync_groups=groups,
+        sync_rounds=rounds, rng_donor=rng_donors(plan, holdings))
+
+
+def _reason(choice: str | None, fallback: str | None, plans: str | None) -> str:
     if fallback:
         return "some state has no surviving copy: the re-planned layout loads the last checkpoint"
-    if choice == REROUTE:
-        return "rerouting wins the score but is not executable yet: executing the re-plan"
+    if choice == REROUTE and plans is not None:
+        return f"rerouting wins the score but this model cannot run it ({plans}): re-planning"
     if choice is None:
         return "no candidate is usable by the score: executing the re-plan anyway"
     return "chosen by score"

@@ -40,10 +40,14 @@ class PhaseClock:
 def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
                     decision: dict[str, Any], phases: dict[str, float],
                     layout_after: dict[str, Any], spares: Iterable[int], redo_iteration: int,
-                    migrated_bytes: int, fallback: str | None = None) -> dict[str, Any]:
+                    migrated_bytes: int, fallback: str | None = None, cause: str = "failure",
+                    joined: Iterable[int] = ()) -> dict[str, Any]:
+    """``cause``: "failure", or a change between steps without one: "join" (new members
+    admitted: ``joined``) or "replan" (leaving rerouting for a re-planned layout)."""
     failures = sorted(failures, key=lambda f: f.rank)
     return {
         "event": "recovery",
+        "cause": cause,
         "generation": generation,
         "failed_ranks": [f.rank for f in failures],
         "failures": [{"rank": f.rank, "reason": f.reason, "exitcode": f.exitcode,
@@ -55,6 +59,7 @@ def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
         "redo_iteration": redo_iteration,
         "migrated_bytes": migrated_bytes,
         "fallback": fallback,
+        "joined": sorted(joined),
     }
 
 
@@ -62,7 +67,10 @@ def summary(record: dict[str, Any]) -> str:
     """One readable line for the log."""
     p = record["phases_s"]
     how = "from checkpoint" if record["fallback"] == "checkpoint" else "in memory"
-    return (f"recovered {how} from failure of ranks {record['failed_ranks']} "
+    what = {"failure": f"recovered {how} from failure of ranks {record['failed_ranks']}",
+            "join": f"grew the job with ranks {record['joined']}",
+            "replan": "left rerouting for a re-planned layout"}[record["cause"]]
+    return (f"{what} "
             f"(generation {record['generation']}): layout {record['layout_after']}, "
             f"spares {record['spares']}, redo iteration {record['redo_iteration']}; "
             f"detect {p['detect']:.2f} s, decide {p['decide']:.2f} s, "

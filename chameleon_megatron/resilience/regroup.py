@@ -50,8 +50,12 @@ class DeclaredFailed(RegroupError):
 def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable[int], *,
                      timeout_s: float, on_wait: Callable[[], None] = lambda: None,
                      poll_s: float = 0.05) -> Membership:
-    """Join generation ``generation`` and return the membership every survivor agrees on."""
+    """Join generation ``generation`` and return the membership every survivor agrees on.
+    Besides ``previous``, it waits for the ranks the generation ``expected`` (new members
+    invited by whoever opened it, which writes them before opening)."""
     scope = job.scoped(f"gen/{generation}")
+    if scope.check(["expected"]):
+        previous = set(previous) | set(json.loads(scope.get("expected")))
     scope.set("opened", "1")
     scope.set(f"join/{me}", "1")
     previous = sorted(set(previous))

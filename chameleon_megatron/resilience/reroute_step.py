@@ -17,11 +17,14 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_type
 
+from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.hetero_plan import microbatch_ids
-from chameleon_megatron.resilience.hetero_step import Batches, PlanRuntime, finish_step
+from chameleon_megatron.resilience.hetero_step import (
+    Batches, PlanRuntime, apply_update, plan_loss, step_result,
+)
 from chameleon_megatron.resilience.hetero_step import forward_step as plan_forward_step
 from chameleon_megatron.resilience.reroute_schedule import Op, routes, schedule
-from chameleon_megatron.training.step import StepResult
+from chameleon_megatron.training.step import Applied, StepResult
 
 
 def rerouted_ops(rt: PlanRuntime) -> tuple[Op, ...]:
@@ -32,7 +35,12 @@ def rerouted_ops(rt: PlanRuntime) -> tuple[Op, ...]:
 
 
 def run_reroute_step(rt: PlanRuntime, batches: Batches) -> StepResult:
-    """One step of the kept plan without its dead ranks (see the module docstring)."""
+    """One step of the kept plan without its dead ranks, with its loss."""
+    return step_result(reroute_train(rt, batches))
+
+
+def reroute_train(rt: PlanRuntime, batches: Batches) -> Applied:
+    """Forward, backward, gradient sync and optimizer step (see the module docstring)."""
     ops = rerouted_ops(rt)
     rt.optimizer.zero_grad()
     runner = _Runner(rt, batches)
@@ -43,7 +51,23 @@ def run_reroute_step(rt: PlanRuntime, batches: Batches) -> StepResult:
             runner.backward(op)
     runner.drain()
     rt.sync([rt.model], torch.tensor(runner.tokens))
-    return finish_step(rt, runner.reports)
+    return apply_update(rt, runner.reports)
+
+
+@torch.no_grad()
+def reroute_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
+    """Forward only along the same routes: each rank runs its forward ops in the step's
+    order (dropping the backward ops only removes waits, so no deadlock can appear)."""
+    runner = _Runner(rt, batches)
+    rt.model.eval()
+    try:
+        for op in rerouted_ops(rt):
+            if op.kind == "F":
+                runner.forward(op, keep=False)
+        runner.drain()
+    finally:
+        rt.model.train()
+    return plan_loss(runner.reports)
 
 
 class _Runner:
@@ -61,8 +85,8 @@ class _Runner:
         self.reports: list[dict] = []
         self.tokens = 0
 
-    def forward(self, op: Op) -> None:
-        x = self._recv(op.recv, requires_grad=True)
+    def forward(self, op: Op, *, keep: bool = True) -> None:
+        x = self._recv(op.recv, requires_grad=keep)
         out, tokens = schedules.forward_step(
             plan_forward_step, iter([self.batches(op.microbatch)]), self.rt.model,
             num_microbatches=1, input_tensor=x, forward_data_store=self.reports,
@@ -71,8 +95,9 @@ class _Runner:
         self.tokens += int(tokens)
         if op.send is not None:  # a copy travels: the output's storage is freed next
             self._send(out.detach().clone(), op.send)
-        schedules.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
-        self.saved[op.microbatch] = (x, out)
+        if keep:  # for the backward
+            schedules.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+            self.saved[op.microbatch] = (x, out)
 
     def backward(self, op: Op) -> None:
         x, out = self.saved.pop(op.microbatch)
@@ -86,7 +111,8 @@ class _Runner:
             return None
         buf = torch.empty(self.shape, dtype=self.config.pipeline_dtype, device=self.device,
                           requires_grad=requires_grad)
-        dist.irecv(buf, src=self.rt.groups.world[src]).wait()
+        # gloo's recv would wait for the timeout the world was created with (start-up's)
+        dist.irecv(buf, src=self.rt.groups.world[src]).wait(groups.current_timeout())
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -96,6 +122,7 @@ class _Runner:
         self.sends.append((dist.isend(tensor, dst=self.rt.groups.world[dst]), tensor))
 
     def drain(self) -> None:
+        timeout = groups.current_timeout()
         for work, _ in self.sends:
-            work.wait()
+            work.wait(timeout)
         self.sends = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from chameleon_megatron.resilience.layout import Plan
 from chameleon_megatron.resilience.model_shape import ModelShape
 from chameleon_megatron.resilience.profile import Profile, load_profile
 from chameleon_megatron.resilience.profile_derive import H100, Hardware, profile_from_shape
+from chameleon_megatron.resilience.reroute_plan import ReroutePlan
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,12 @@ def check_profile(profile: Profile, args: Any) -> None:
 
 
 def runtime_profile(args: Any, *, path: str | None, hardware: Hardware, plan: Plan,
-                    step_time_s: float | None, regroup_s: float | None) -> Profile:
-    """The profile for a decision while training ``plan`` at ``step_time_s`` (None: not
-    measured yet, FLOP-derived times unscaled)."""
+                    step_time_s: float | None, regroup_s: float | None,
+                    reroute: ReroutePlan | None = None,
+                    history: Sequence[Observation] = ()) -> Profile:
+    """The profile for a decision while training ``plan`` (rerouting as ``reroute`` says) at
+    ``step_time_s`` (None: not measured yet), calibrated on that and on the layouts measured
+    earlier in this job (``history``, from estimator feedback)."""
     if path:
         profile = load_profile(path)
         check_profile(profile, args)
@@ -74,11 +78,15 @@ def runtime_profile(args: Any, *, path: str | None, hardware: Hardware, plan: Pl
     shape = ModelShape.from_args(vars(args))
     profile = profile_from_shape(
         shape, hardware, seconds_per_flop=1e-12, name="runtime",
-        source="derived from the model args, times calibrated to the measured step time")
-    if step_time_s is None:
+        source="derived from the model args, times calibrated to the measured step times")
+    observations = list(history)
+    if step_time_s is not None:
+        extra = reroute.extra_microbatches() if reroute is not None else {}
+        observations.append(Observation(plan, step_time_s, "current layout", extra))
+    if not observations:
         return profile
     try:
-        return calibrate(profile, [Observation(plan, step_time_s, "current layout")]).profile
-    except ValueError as exc:  # communication alone exceeds the step: keep FLOP shares
+        return calibrate(profile, observations).profile
+    except ValueError as exc:  # communication alone exceeds a step: keep FLOP shares
         logger.warning("profile not calibrated: %s", exc)
         return profile

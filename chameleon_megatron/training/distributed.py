@@ -59,6 +59,13 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
+def seed_unplaced(seed: int) -> None:
+    """Seeding before this rank's place in a layout is known (a joiner): the streams are
+    replaced with a holder's when it gets its stage."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+
+
 def shutdown() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

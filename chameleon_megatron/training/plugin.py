@@ -60,6 +60,16 @@ class TrainerPlugin:
         """
         return None
 
+    def on_train_start(self, trainer: Any) -> StepAction | None:
+        """Before the first iteration (a member joining a running job is admitted here).
+        "stop": leave without training."""
+        return None
+
+    def between_steps(self, trainer: Any) -> StepAction | None:
+        """After an iteration's records, before the next one: a plugin may change the layout
+        here (an exception is handled like a failed step). "stop": leave the loop."""
+        return None
+
     def metrics(self) -> dict[str, Any]:
         """Fields merged into this iteration's metrics record (e.g. ``{"swap": {...}}``)."""
         return {}

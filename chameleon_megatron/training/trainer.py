@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
 from chameleon_megatron.training import checkpoint, data, distributed, model as model_lib
+from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
 from chameleon_megatron.training.metrics import MetricsWriter, log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
@@ -19,7 +20,7 @@ from chameleon_megatron.training.plugin import (
     StepAction, TrainContext, TrainerPlugin, plugins_step,
 )
 from chameleon_megatron.training.step import (
-    StepResult, configure_schedule, eval_step, global_loss, train_step,
+    Applied, StepResult, configure_schedule, eval_step, global_loss, train_step,
 )
 from chameleon_megatron.training.validate import validate_args
 
@@ -39,12 +40,21 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.history: list[dict[str, Any]] = []
+        self.engine: StepEngine | None = None
+        """Runs the steps instead of megatron's schedules while installed (``use_engine``)."""
         self.metrics = MetricsWriter(cfg.metrics.file, enabled=self.env.rank == 0)
 
     # ----------------------------------------------------------------------------- set-up
-    def setup(self) -> None:
+    def setup(self, *, join: bool = False) -> None:
+        """Groups, model, data (and the checkpoint of ``--load``). ``join``: this process
+        joins a running job (a resilience plugin admits it in ``on_train_start``): data
+        only; the groups and the model come with the layout it is given."""
         args = self.args
         self.device = distributed.device_for(self.env)
+        if join:
+            distributed.seed_unplaced(args.seed)
+            self.datasets = data.build_datasets(args)
+            return
         distributed.init_process_groups(args, self.env)
         distributed.seed_everything(args.seed)
         self._build()
@@ -93,14 +103,33 @@ class Trainer:
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
         validate_args(args, world_size)
         self.args = args
+        self._new_world(rank, world_size)
+        self.engine = None
+        self._build()
+        self._announce_model()
+
+    def use_engine(self, engine: StepEngine, *, rank: int, world_size: int) -> None:
+        """Train through ``engine`` from now on (a layout megatron cannot express), with a
+        fresh LR schedule on its optimizer. As for ``rebuild``: groups are the caller's, and
+        so is moving state (weights, optimizer, schedule step, data position) in."""
+        self._new_world(rank, world_size)
+        self.engine = engine
+        self.model, self.optimizer = [engine.model], engine.optimizer
+        self.scheduler = build_scheduler(self.args, self.optimizer)
+        self._announce_model()
+
+    def _new_world(self, rank: int, world_size: int) -> None:
         # The first rank may have died: whoever is rank 0 now appends to the metrics file.
         self.metrics.close()
         self.metrics = MetricsWriter(self.cfg.metrics.file, enabled=rank == 0)
         self.env = DistEnv(rank=rank, world_size=world_size, local_rank=self.env.local_rank)
-        self._build()
-        self._announce_model()
 
     def context(self) -> TrainContext:
+        extra = {"optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.engine is not None:
+            return TrainContext(model=self.model, config=self.engine.model.config,
+                                args=self.args, device=self.device, rank=self.env.rank,
+                                tp_rank=0, vpp_size=1, extra=extra, **self.engine.position())
         return TrainContext(
             model=self.model, config=self.config, args=self.args, device=self.device,
             rank=self.env.rank,
@@ -109,10 +138,12 @@ class Trainer:
             pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
             dp_rank=parallel_state.get_data_parallel_rank(),
             vpp_size=self.args.virtual_pipeline_model_parallel_size or 1,
-            extra={"optimizer": self.optimizer, "scheduler": self.scheduler},
+            extra=extra,
         )
 
-    def layout(self) -> dict[str, int]:
+    def layout(self) -> dict[str, Any]:
+        if self.engine is not None:
+            return self.engine.layout()
         a = self.args
         return {"tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
                 "vpp": a.virtual_pipeline_model_parallel_size or 1, "dp": a.data_parallel_size}
@@ -140,21 +171,27 @@ class Trainer:
         applied, before the loss is summed across ranks, so they always describe the weights.
         """
         gbs = data.global_batch_size_at(self.args, self.consumed_samples)
-        schedule = self._schedule(gbs)
-        iterators = self._iterators(self.datasets.train, self.consumed_samples,
-                                    schedule["num_microbatches"])
         start = time.perf_counter()
         with plugins_step(self.plugins, self.iteration + 1, training=True):
-            applied = train_step(self.model, self.optimizer, iterators, **schedule)
+            applied = self._train_step(gbs)
         if not applied.skipped:
             self.scheduler.step(increment=gbs)
         self.iteration += 1
         self.consumed_samples += gbs
-        loss, tokens = global_loss(applied.reports)
+        sum_up = self.engine.global_loss if self.engine is not None else global_loss
+        loss, tokens = sum_up(applied.reports)
         step_time = time.perf_counter() - start
         result = StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
                             skipped=applied.skipped)
         return self._record(result, gbs, step_time)
+
+    def _train_step(self, gbs: int) -> Applied:
+        if self.engine is not None:
+            return self.engine.train_step(self.consumed_samples, gbs)
+        schedule = self._schedule(gbs)
+        iterators = self._iterators(self.datasets.train, self.consumed_samples,
+                                    schedule["num_microbatches"])
+        return train_step(self.model, self.optimizer, iterators, **schedule)
 
     def _record(self, result: StepResult, gbs: int, step_time: float) -> dict[str, Any]:
         rec: dict[str, Any] = {
@@ -174,16 +211,13 @@ class Trainer:
         if self.datasets.valid is None:
             raise RuntimeError("no validation split: give --split with a non-zero valid weight")
         a = self.args
-        schedule = self._schedule(a.global_batch_size)
         total, tokens = 0.0, 0
         for k in range(a.eval_iters):
-            iterators = self._iterators(self.datasets.valid, k * a.global_batch_size,
-                                        schedule["num_microbatches"])
             with plugins_step(self.plugins, self.iteration, training=False):
-                result = eval_step(self.model, iterators, **schedule)
-            if result.loss is not None:
-                total += result.loss * result.tokens
-                tokens += result.tokens
+                loss, n = self._eval_step(k * a.global_batch_size)
+            if loss is not None:
+                total += loss * n
+                tokens += n
         rec = {"event": "eval", "iteration": self.iteration,
                "loss": total / tokens if tokens else None}
         if self.env.rank == 0:
@@ -191,23 +225,47 @@ class Trainer:
                         rec["loss"] if rec["loss"] is not None else float("nan"))
         return rec
 
+    def _eval_step(self, start: int) -> tuple[float | None, int]:
+        gbs = self.args.global_batch_size
+        if self.engine is not None:
+            return self.engine.evaluate(self.datasets.valid, start, gbs)
+        schedule = self._schedule(gbs)
+        iterators = self._iterators(self.datasets.valid, start, schedule["num_microbatches"])
+        result = eval_step(self.model, iterators, **schedule)
+        return result.loss, result.tokens
+
     # ----------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
+        if any(p.on_train_start(self) == "stop" for p in self.plugins):
+            return self.history
         while self.iteration < self.args.train_iters:
-            try:
-                rec = self.train_one()
-            except Exception as exc:
-                action = self._on_step_failed(exc)
-                if action == "redo":
-                    continue
-                if action == "stop":
-                    break
-                raise
-            self._after_iteration(rec)
+            action = self._guarded(self.train_one)
+            if action == "stop":
+                break
+            if action == "redo":
+                continue
+            self._after_iteration(action)
+            if self._guarded(self._between_steps) == "stop":
+                break
         a = self.args
         if a.save and (not a.save_interval or self.iteration % a.save_interval):
             self.save()
         return self.history
+
+    def _guarded(self, work: Any) -> Any:
+        """``work()``, or the plugins' answer to its failure ("redo"/"stop"; re-raised when
+        no plugin takes it)."""
+        try:
+            return work()
+        except Exception as exc:
+            action = self._on_step_failed(exc)
+            if action is None:
+                raise
+            return action
+
+    def _between_steps(self) -> StepAction | None:
+        actions = [plugin.between_steps(self) for plugin in self.plugins]
+        return "stop" if "stop" in actions else None
 
     def _after_iteration(self, rec: dict[str, Any]) -> None:
         a = self.args
@@ -221,6 +279,12 @@ class Trainer:
             self.save()
 
     def save(self) -> None:
+        if self.engine is not None:
+            # dist_checkpointing shards by megatron's parallel state; a plan has none. The
+            # last checkpoint stays the fallback until the job is back on a megatron layout.
+            logger.warning("checkpoint at iteration %d skipped: layout %s is not a megatron "
+                           "layout", self.iteration, self.layout().get("plan"))
+            return
         checkpoint.save_checkpoint(self.args.save, self.model, self.optimizer, self.scheduler,
                                    iteration=self.iteration,
                                    consumed_samples=self.consumed_samples)

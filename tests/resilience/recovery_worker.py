@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 
-def state_sums(model: list, optimizer: Any) -> dict:
-    from megatron.core import parallel_state
-
+def state_sums(ctx: Any) -> dict:
     from chameleon_megatron.resilience.layer_state import ModelState, unit_parameters
 
-    view = ModelState(model, optimizer, role="sink")
+    model = ctx.model
+    view = ModelState(model, ctx.extra["optimizer"], role="sink")
     sums: dict[str, dict] = {}
     for unit, params in unit_parameters(model).items():
         optim = view.tensors(unit, "optimizer")
@@ -37,13 +36,12 @@ def state_sums(model: list, optimizer: Any) -> dict:
                 "exp_avg_sq": float(optim[f"{name}/exp_avg_sq"].double().pow(2).sum()),
                 "step": float(optim[f"{name}/step"]),
             }
-    return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "dp_rank": parallel_state.get_data_parallel_rank(), "sums": sums}
+    return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
 
 
 def dump_plugin(iters: int) -> Any:
     """A plugin that keeps the last model built on this rank and sums it up at the end."""
-    from megatron.core import parallel_state
+    import torch.distributed as dist
 
     from chameleon_megatron.training.plugin import TrainerPlugin
 
@@ -61,8 +59,9 @@ def dump_plugin(iters: int) -> Any:
             return super().step_context(iteration, training=training)
 
         def on_train_end(self) -> None:
-            if self.completed == iters and parallel_state.model_parallel_is_initialized():
-                self.dump = state_sums(self.ctx.model, self.ctx.extra["optimizer"])
+            # a spare has left the world; an active rank (any layout) holds its last model
+            if self.completed == iters and dist.is_initialized():
+                self.dump = state_sums(self.ctx)
 
     return DumpPlugin()
 
@@ -84,7 +83,7 @@ def main(argv: list[str]) -> int:
     pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
     pretrain_gpt.setup_logging()
     pretrain_gpt.run([*rest, "--train-iters", str(ours.iters)])
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("CHAMELEON_FT_JOIN_ID") or os.environ.get("RANK", "0")
     (ours.dump / f"{rank}.json").write_text(json.dumps(plugin.dump or {"spare": True}))
     return 0
 

@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from dc_helpers import make_profile  # noqa: E402
 
+from chameleon_megatron.resilience.calibration import calibrate  # noqa: E402
 from chameleon_megatron.resilience.estimator_feedback import Feedback  # noqa: E402
 from chameleon_megatron.resilience.layout import UniformLayout  # noqa: E402
 from chameleon_megatron.resilience.perf_model import plan_step  # noqa: E402
@@ -32,38 +33,43 @@ def test_the_oracle_is_the_model() -> None:
     assert plan_step(DP2, PROFILE).t_step_s == pytest.approx(30.0)
 
 
+def fitted(fb: Feedback):
+    return calibrate(PROFILE, fb.observations()).profile
+
+
 def test_a_layout_twice_as_slow_as_estimated_is_reported_and_calibrated() -> None:
-    fb = Feedback(PROFILE, warmup=1, window=3)
-    assert fb.profile() is PROFILE  # nothing measured yet
+    fb = Feedback(warmup=1, window=3)
+    assert fb.observations() == []  # nothing measured yet
     fb.start("after failure 1", ONE, estimated_s=96.0)
     records = [fb.step(t) for t in (1000.0, 190.0, 192.0, 199.0, 500.0)]
     assert records[:3] == [None] * 3 and records[4] is None  # one record per layout
     assert records[3] == {"event": "estimator", "label": "after failure 1",
                           "plan": ONE.describe(), "rerouted": False, "estimated_s": 96.0,
                           "measured_s": 192.0, "error": -0.5, "steps": 3}
-    assert plan_step(ONE, fb.profile()).t_step_s == pytest.approx(192.0, rel=1e-6)
+    assert plan_step(ONE, fitted(fb)).t_step_s == pytest.approx(192.0, rel=1e-6)
     # the fitted scale carries over to a layout not measured yet
-    assert plan_step(DP2, fb.profile()).t_step_s == pytest.approx(60.0, rel=1e-6)
+    assert plan_step(DP2, fitted(fb)).t_step_s == pytest.approx(60.0, rel=1e-6)
 
 
-def test_rerouted_layouts_are_reported_but_not_fitted() -> None:
+def test_rerouted_layouts_are_fitted_with_their_extra_microbatches() -> None:
     reroute = plan_reroute(DP2, [3], PROFILE)
     estimate = reroute.estimate(PROFILE).t_step_s  # pipeline 0 runs 4 more microbatches
     assert estimate == pytest.approx(30.0 + 4 * 6.0)
-    fb = Feedback(PROFILE, warmup=0, window=1)
+    fb = Feedback(warmup=0, window=1)
     fb.start("rerouted", DP2, estimate, reroute)
     rec = fb.step(2 * estimate)
     assert rec["rerouted"] and rec["error"] == pytest.approx(-0.5)
-    assert fb.profile() is PROFILE
-    fb.start("re-plan", ONE, 96.0)
-    fb.step(288.0)
-    assert plan_step(ONE, fb.profile()).t_step_s == pytest.approx(288.0, rel=1e-6)
+    (obs,) = fb.observations()
+    assert obs.extra_microbatches == {(0, 1): 4}
+    # fitted as rerouted (54 s -> 108 s: times double), not as the plain layout (30 s)
+    assert plan_step(DP2, fitted(fb)).t_step_s == pytest.approx(60.0, rel=1e-6)
+    assert reroute.estimate(fitted(fb)).t_step_s == pytest.approx(108.0, rel=1e-6)
 
 
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="window=0"):
-        Feedback(PROFILE, window=0)
-    fb = Feedback(PROFILE)
+        Feedback(window=0)
+    fb = Feedback()
     with pytest.raises(ValueError, match="call start"):
         fb.step(1.0)
     with pytest.raises(ValueError, match="estimated_s=0"):

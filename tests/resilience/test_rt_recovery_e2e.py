@@ -104,45 +104,51 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
 
 
 # ----------------------------------------------------------------------------- helpers
-def write_profile(path: Path, *, favour: str, tp: int) -> Path:
+def write_profile(path: Path, *, favour: str, tp: int, **over: float) -> Path:
     """A profile of the TINY model whose links make the re-plan deterministic:
     favour="dp": slow stage-to-stage hops (pipelines of depth 1); "pp": slow all-reduce
-    (one pipeline, as deep as the survivors allow)."""
+    (one pipeline, as deep as the survivors allow). ``over``: other Hardware figures, and
+    micro_batch_size/global_batch_size/seconds_per_flop."""
     from chameleon_megatron.resilience.model_shape import ModelShape
     from chameleon_megatron.resilience.profile import save_profile
     from chameleon_megatron.resilience.profile_derive import Hardware, profile_from_shape
 
     slow, fast = 1e3, 1e15
     args = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
-            "micro_batch_size": 2, "global_batch_size": 8, "padded_vocab_size": 128,
-            "tensor_model_parallel_size": tp}
-    hw = Hardware(device_memory_bytes=1e12, p2p_bandwidth_Bps=slow if favour == "dp" else fast,
-                  allreduce_bandwidth_Bps=slow if favour == "pp" else fast,
-                  transfer_bandwidth_Bps=1e9)
-    profile = profile_from_shape(ModelShape.from_args(args), hw, seconds_per_flop=1e-12,
+            "micro_batch_size": int(over.pop("micro_batch_size", 2)),
+            "global_batch_size": int(over.pop("global_batch_size", 8)),
+            "padded_vocab_size": 128, "tensor_model_parallel_size": tp}
+    per_flop = over.pop("seconds_per_flop", 1e-12)
+    links = {"p2p_bandwidth_Bps": slow if favour == "dp" else fast,
+             "allreduce_bandwidth_Bps": slow if favour == "pp" else fast,
+             "transfer_bandwidth_Bps": 1e9}
+    hw = Hardware(device_memory_bytes=1e12, **{**links, **over})
+    profile = profile_from_shape(ModelShape.from_args(args), hw, seconds_per_flop=per_flop,
                                  name=f"favour-{favour}", source="test")
     save_profile(profile, path)
     return path
 
 
-def run_reference(tmp: Path) -> tuple[dict[int, float], dict]:
+def run_reference(tmp: Path, iters: int = ITERS,
+                  flags: tuple[str, ...] = ()) -> tuple[dict[int, float], dict]:
     """Losses and state sums of the failure-free run (one process)."""
     dump = tmp / "dump"
     dump.mkdir()
     metrics = tmp / "metrics.jsonl"
-    run_command([sys.executable, str(WORKER), "--dump", str(dump), "--iters", str(ITERS), *COMMON,
-                 "--chameleon-metrics-file", str(metrics)], timeout=120, log=tmp / "log")
+    run_command([sys.executable, str(WORKER), "--dump", str(dump), "--iters", str(iters), *COMMON,
+                 *flags, "--chameleon-metrics-file", str(metrics)], timeout=120, log=tmp / "log")
     losses = {r["iteration"]: r["loss"] for r in records(metrics) if r["event"] == "iteration"}
     return losses, json.loads((dump / "0.json").read_text())
 
 
-def launch(tmp: Path, nproc: int, flags: list[str], timeout_s: float) -> tuple[list, dict, str]:
+def launch(tmp: Path, nproc: int, flags: list[str], timeout_s: float,
+           iters: int = ITERS) -> tuple[list, dict, str]:
     """A chameleon-run job of this worker: (metrics records, dumps by launch rank, log)."""
     dump = tmp / "dump"
     dump.mkdir()
     metrics = tmp / "metrics.jsonl"
     args = ["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.1", str(WORKER),
-            "--dump", str(dump), "--iters", str(ITERS), *COMMON, *flags,
+            "--dump", str(dump), "--iters", str(iters), *COMMON, *flags,
             "--chameleon-metrics-file", str(metrics)]
     code, _ = run_launcher(args, tmp / "log", timeout_s=timeout_s)
     log = (tmp / "log").read_text()
@@ -189,13 +195,13 @@ def combine(dumps: list[dict]) -> dict[str, dict[str, float]]:
     return total
 
 
-def assert_same_state(want: dict, got: dict, rtol: float = 1e-4) -> None:
-    """Every parameter of the reference: same weights and Adam moments, ITERS Adam steps."""
+def assert_same_state(want: dict, got: dict, rtol: float = 1e-4, iters: int = ITERS) -> None:
+    """Every parameter of the reference: same weights and Adam moments, ``iters`` Adam steps."""
     missing = sorted(set(want) - set(got))
     assert not missing, f"parameters missing after recovery: {missing}"
     for key, w in want.items():
         g = got[key]
-        assert g["step"] == ITERS, (key, g["step"])
+        assert g["step"] == iters, (key, g["step"])
         for k in ("param", "exp_avg", "exp_avg_sq"):
             assert math.isclose(g[k], w[k], rel_tol=rtol, abs_tol=1e-30), (key, k, w[k], g[k])
 

@@ -42,6 +42,8 @@ DEEP = make_profile(4, ar_bw=1e-3)
 """All-reduce is ruinous: one pipeline, as deep as possible, wins."""
 WIDE = make_profile(4, ar_bw=1e12)
 """Free links: as many depth-1 pipelines as divide the batch win."""
+UNIFORM = "tp=2: plans execute with tensor parallelism 1 only"
+"""A reason the plan runtime cannot run the model: uniform re-plans only, no rerouting."""
 
 
 def copies(rank: int, units: list) -> list[tuple]:
@@ -87,7 +89,8 @@ def test_state_stays_in_place_when_the_new_layout_allows_it() -> None:
     """Rank 3 died, rank 1 is stale. DEEP: PP2 x DP1 (54 s) beats PP1 x DP2 (48 s plus a
     4000 s all-reduce) and PP1 (96 s); stage 0 goes to rank 0, which holds it, stage 1 to
     rank 2: only local copies from the old model into the rebuilt one."""
-    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=DEEP, d_s=1e6)
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=DEEP, d_s=1e6, plans=UNIFORM)
+    assert d.mode == "megatron"
     assert (d.layout, d.active, d.spares) == (UniformLayout(1, 2, 1), (0, 2), (1,))
     assert d.fallback is None
     assert moves(d.transfers) == copies(0, [0, 1, "embedding"]) + copies(2, [2, 3, "output"])
@@ -100,7 +103,7 @@ def test_state_stays_in_place_when_the_new_layout_allows_it() -> None:
 def test_new_slots_receive_what_they_lack_and_stale_ranks_send_nothing() -> None:
     """WIDE: PP1 x DP2 over ranks 0 and 2 (rank 1 is stale: it would need everything); each
     keeps its half and receives the other half from the only fresh holder."""
-    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=WIDE, d_s=1e6)
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=WIDE, d_s=1e6, plans=UNIFORM)
     assert (d.layout, sorted(d.active), d.spares) == (UniformLayout(1, 1, 2), [0, 2], (1,))
     want = copies(0, [0, 1, "embedding"]) + copies(2, [2, 3, "output"]) + [
         (s, r, u, k) for s, r, units in ((2, 0, [2, 3, "output"]), (0, 2, [0, 1, "embedding"]))
@@ -116,15 +119,50 @@ def test_a_layer_without_a_surviving_copy_falls_back_to_the_checkpoint() -> None
     assert sorted(d.active) == [0, 1]
 
 
-def test_when_rerouting_wins_the_score_the_re_plan_is_executed_and_said_so() -> None:
-    """D = 100 s; re-plan PP1 x DP2: 48 s steps, transition 60 s regroup + 6 B at 1 B/s:
-    8/48 x (100 - 66)/100 = 0.057 < reroute: 54 s steps, no transition: 8/54 = 0.148."""
-    profile = make_profile(4, ar_bw=1e12, regroup=60.0)
-    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=profile, d_s=100.0)
-    assert d.record["choice"] == "reroute" and d.record["executed"] == "replan"
-    assert "not executable yet" in d.record["executed_reason"]
+REROUTE_WINS = make_profile(4, ar_bw=1e12, regroup=60.0)
+"""D = 100 s; re-plan (a depth-2 pipeline with 5 microbatches and a depth-1 one with 3):
+36 s steps, transition 60 s regroup + 6 B at 1 B/s: 8/36 x (100 - 66)/100 = 0.076
+< reroute: 54 s steps, no transition: 8/54 = 0.148."""
+
+
+def test_when_rerouting_wins_the_score_the_kept_layout_reroutes() -> None:
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=REROUTE_WINS, d_s=100.0)
+    assert d.record["choice"] == "reroute" and d.record["executed"] == "reroute"
     scores = {c["name"]: c["score"] for c in d.record["candidates"]}
-    assert scores == pytest.approx({"reroute": 8 / 54, "replan": 8 / 48 * 0.34})
+    assert scores == pytest.approx({"reroute": 8 / 54, "replan": 8 / 36 * 0.34})
+    assert (d.mode, d.plan, d.active, d.spares) == ("reroute", DP2_PP2, (0, 1, 2), ())
+    # pipeline 1 lost its last stage: its 4 microbatches go to rank 2 (pipeline 0)
+    assert d.reroute.failed_ranks == (3,) and d.reroute.reroutes[0].targets == ((0, 4),)
+    assert all(t.src == t.dst for t in d.transfers) and d.record["transfers"] == 0
+    assert moves(d.transfers) == (copies(0, [0, 1, "embedding"]) + copies(1, [0, 1, "embedding"])
+                                  + copies(2, [2, 3, "output"]))
+    # the surviving holders of each layer sum its gradients: {0, 1} for stage 0
+    assert [g.ranks for g in d.sync_groups] == [(0, 1), (2, 3)]
+    with pytest.raises(ValueError, match="no megatron layout"):
+        d.layout
+
+
+def test_a_model_the_plan_runtime_cannot_run_re_plans_and_says_why() -> None:
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=REROUTE_WINS, d_s=100.0,
+               plans=UNIFORM)
+    assert d.record["choice"] == "reroute" and d.record["executed"] == "replan"
+    assert d.mode == "megatron" and "cannot run it (tp=2" in d.record["executed_reason"]
+
+
+def test_a_heterogeneous_re_plan_uses_every_survivor() -> None:
+    """Three survivors of DP2 x PP2, free links: a depth-2 pipeline (ranks 0, 2: they keep
+    their stages) with 5 microbatches and a depth-1 one (rank 1) with 3: 36 s, where the
+    best uniform layout (two depth-1 pipelines) takes 48 s."""
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=WIDE, d_s=1e6, strategy="replan")
+    assert (d.mode, d.active, d.spares) == ("hetero", (0, 1, 2), ())
+    assert [([st.ranks for st in p.stages], p.microbatches) for p in d.plan.pipelines] == [
+        ([(0,), (2,)], 5), ([(1,)], 3)]
+    assert d.estimated_step_s == pytest.approx(36.0)
+    assert sorted((m for m in moves(d.transfers) if m[0] != m[1]), key=str) == sorted(
+        ((2, 1, u, k) for u in (2, 3, "output") for k in ("params", "optimizer")), key=str)
+    assert d.record["executed"] == "replan" and d.record["mode"] == "hetero"
+    # layers 0-1 are held by ranks 0 and 1, layers 2-3 by 2 and 1: two rounds (rank 1 in both)
+    assert len(d.sync_rounds) == 2
 
 
 def test_no_intact_tensor_parallel_group_means_no_plan() -> None:
@@ -134,12 +172,16 @@ def test_no_intact_tensor_parallel_group_means_no_plan() -> None:
 
 
 def test_a_decision_survives_the_job_store() -> None:
-    d = RecoveryDecision(layout=UniformLayout(2, 2, 1), active=(4, 5, 0, 1), spares=(7,),
+    plan = uniform_plan(UniformLayout(2, 2, 1), (4, 5, 0, 1), 4, 8)
+    d = RecoveryDecision(mode="megatron", plan=plan, active=(4, 5, 0, 1), spares=(7,),
                          transfers=(Transfer(0, 4, "output", "params", 8.0),
                                     Transfer(1, 5, 3, "optimizer", 16.0)),
                          fallback=None, estimated_step_s=0.5, rng_donor={4: 0, 5: 1},
                          record={"choice": "replan", "D_s": 10.0})
     assert RecoveryDecision.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    assert d.layout == UniformLayout(2, 2, 1)
+    rerouted = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=REROUTE_WINS, d_s=100.0)
+    assert RecoveryDecision.from_dict(json.loads(json.dumps(rerouted.to_dict()))) == rerouted
 
 
 def tiny_args(**over) -> argparse.Namespace:
@@ -211,7 +253,8 @@ def test_a_redone_step_starts_from_the_rng_state_its_first_attempt_started_from(
     ft = ResilienceConfig()
     controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
                                     injector=FaultInjector(0), ft=ft, me=0,
-                                    layout=UniformLayout(1, 1, 1), backend="gloo")
+                                    plan=uniform_plan(UniformLayout(1, 1, 1), [0], 4, 8),
+                                    backend="gloo")
     torch.manual_seed(7)
     controller.step_started(5)
     first = torch.rand(3)  # the failed attempt of step 5 consumed the stream
@@ -227,7 +270,8 @@ def test_a_lost_job_store_ends_the_job_with_the_way_to_restart_it() -> None:
     ft = ResilienceConfig()
     controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
                                     injector=FaultInjector(0), ft=ft, me=0,
-                                    layout=UniformLayout(1, 1, 1), backend="gloo")
+                                    plan=uniform_plan(UniformLayout(1, 1, 1), [0], 4, 8),
+                                    backend="gloo")
     del server  # the agent hosting the store is gone
     emitted: list[dict] = []
     trainer = SimpleNamespace(args=SimpleNamespace(save="/ckpt", load=None), emit=emitted.append)
