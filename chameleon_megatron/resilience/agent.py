@@ -203,6 +203,8 @@ class ChameleonAgent(LocalElasticAgent):
                                 start_new_session=True)  # killable with its children (killpg)
         self._members[join_id] = _Member(join_id, failed.slot, proc, now, joiner=True,
                                          logs=[log for log in logs if log is not None])
+        assert self._nodes is not None, "workers not started"
+        self._nodes.add_rank(join_id)
         job.store.set(f"join/spawned/{join_id}",
                       json.dumps({"failed": failed.rank, "time": now, "node": self._node}))
         logger.info({"event": "respawn", "failed_rank": failed.rank, "join_id": join_id,

@@ -31,6 +31,12 @@ class NodeWatch:
         """group rank -> (its last beat, when this agent first saw that value)."""
         self._lost: set[int] = set()
 
+    def add_rank(self, rank: int) -> None:
+        """A worker started later on this node (a restarted one): announced with the others
+        if this node is lost."""
+        self._ranks = [*self._ranks, rank]
+        self._next_at = 0.0  # publish it with the next tick
+
     def tick(self, now: float, *, node: str, finished: bool) -> list[FailureRecord]:
         """Beat, read the others, and return failure records for newly lost agents' ranks."""
         if now < self._next_at and finished == self._finished_said:

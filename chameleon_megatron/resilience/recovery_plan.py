@@ -197,7 +197,7 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     reroute = reroute_candidate(current, dead, planner)
     replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
     if replan.restore is not None and replan.restore.unrecoverable and \
-            not replan.plan.is_uniform:  # a checkpoint loads into megatron layouts only
+            not _is_megatron(replan.plan):  # a checkpoint loads into megatron layouts only
         planner = Planner(profile, SearchOptions(uniform=True, time_limit_s=time_limit_s))
         replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
     try:
@@ -206,36 +206,54 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
         record, choice = dict(selected.record), selected.chosen.name
     except NoFeasibleCandidate as exc:
         record, choice = dict(exc.record), None
-    if choice == REROUTE and plans is None and reroute.reroute is not None:
-        decision = _rerouted(current, reroute, holdings, profile)
+    kept = choice == REROUTE and plans is None and reroute.reroute is not None
+    if kept:
+        decision = _rerouted(current, reroute, holdings, profile, alive_set)
     else:
         decision = _replanned(replan, holdings, profile, alive_set)
     record.update(
-        executed=decision.mode if decision.mode == REROUTE else REPLAN,
+        executed=REROUTE if kept else REPLAN,
         mode=decision.mode, executed_reason=_reason(choice, decision.fallback, plans),
         fallback=decision.fallback, stale=sorted(stale_set), layout_before=current.describe(),
         layout_after=decision.plan.describe(),
         transfers=sum(t.src != t.dst for t in decision.transfers),
         bytes_planned=sum(t.bytes for t in decision.transfers if t.src != t.dst),
     )
-    if decision.mode != REROUTE:
+    if not kept:
         record["lost"] = sorted({u for u, _ in replan.restore.lost}, key=unit_order)
     return dataclasses.replace(decision, record=record)
 
 
-def _rerouted(current: Plan, cand: Candidate, holdings: Holdings,
-              profile: Profile) -> RecoveryDecision:
-    """Keep ``current``; the survivors keep their stages (copied into the plan runtime)."""
+def _rerouted(current: Plan, cand: Candidate, holdings: Holdings, profile: Profile,
+              alive: set[int]) -> RecoveryDecision:
+    """Keep ``current``; the survivors keep their stages (copied into the plan runtime).
+    Without dead ranks (new members were offered, but keeping the layout scores better)
+    the plan runs as it did: a megatron layout natively, a heterogeneous one as a plan."""
     rp = cand.reroute
     dead = set(rp.failed_ranks)
+    mode: Mode = "reroute"
+    active = tuple(r for r in stage_major_order(current) if r not in dead)
+    if not dead:
+        try:
+            mode, active = "megatron", world_order(current)[1]
+        except ValueError:
+            mode = "hetero"
+    plan_groups = mode != "megatron"
     return RecoveryDecision(
-        mode="reroute", plan=current,
-        active=tuple(r for r in stage_major_order(current) if r not in dead),
-        spares=(), transfers=kept_in_place(current, dead), fallback=None,
-        estimated_step_s=cand.t_step_s, reroute=rp,
-        sync_groups=allreduce_groups(current, profile),
-        sync_rounds=allreduce_rounds(current, profile),
+        mode=mode, plan=current, active=active, spares=tuple(sorted(alive - set(active))),
+        transfers=kept_in_place(current, dead), fallback=None,
+        estimated_step_s=cand.t_step_s, reroute=rp if mode == "reroute" else None,
+        sync_groups=allreduce_groups(current, profile) if plan_groups else (),
+        sync_rounds=allreduce_rounds(current, profile) if plan_groups else (),
         rng_donor=rng_donors(current, holdings))
+
+
+def _is_megatron(plan: Plan) -> bool:
+    try:
+        world_order(plan)
+    except ValueError:
+        return False
+    return True
 
 
 def _replanned(replan: Candidate, holdings: Holdings, profile: Profile,
@@ -249,6 +267,9 @@ def _replanned(replan: Candidate, holdings: Holdings, profile: Profile,
         active = world_order(plan)[1]
         groups, rounds = (), ()
     except ValueError:  # not a layout megatron expresses
+        if fallback:
+            raise NoRecoveryPlan(f"some state has no surviving copy and the checkpoint cannot "
+                                 f"be loaded into {plan.describe()} (not a megatron layout)")
         mode = "hetero"
         active = stage_major_order(plan)
         groups, rounds = allreduce_groups(plan, profile), allreduce_rounds(plan, profile)

@@ -26,14 +26,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_rt_recovery_e2e import (  # noqa: E402
-    FT, assert_losses_match, assert_same_state, combine, faults, launch, run_reference,
-    write_profile,
+    FT, assert_losses_match, assert_same_state, combine, faults, launch, records,
+    run_reference, write_profile,
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]
 
 ITERS = 14
-BATCH = ("--micro-batch-size", "1", "--global-batch-size", "16")
+BATCH = ("--micro-batch-size", "1", "--global-batch-size", "16", "--eval-interval", "5",
+         "--eval-iters", "1")
 EIGHT = ["--pipeline-model-parallel-size", "2", *BATCH, *FT,
          "--chameleon-ft-startup-timeout-s", "200"]
 PROFILE_8 = {"micro_batch_size": 1, "global_batch_size": 16}
@@ -41,7 +42,21 @@ PROFILE_8 = {"micro_batch_size": 1, "global_batch_size": 16}
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict]:
-    return run_reference(tmp_path_factory.mktemp("reference"), ITERS, BATCH)
+    tmp = tmp_path_factory.mktemp("reference")
+    losses, dump = run_reference(tmp, ITERS, BATCH)
+    return losses, dump, evals(records(tmp / "metrics.jsonl"))
+
+
+def evals(recs: list[dict]) -> dict[int, float]:
+    return {r["iteration"]: r["loss"] for r in recs if r["event"] == "eval"}
+
+
+def assert_evals_match(recs: list[dict], want: dict[int, float]) -> None:
+    """Evaluation (forward only, through the layout in use) gives the reference's loss."""
+    got = evals(recs)
+    assert sorted(got) == sorted(want) == [5, 10], (got, want)
+    for it, loss in got.items():
+        assert abs(loss - want[it]) <= 1e-4 * abs(want[it]), (it, loss, want[it])
 
 
 def run_eight(tmp: Path, strategy: str, profile: Path, *extra: str) -> tuple[list, dict, str]:
@@ -61,7 +76,7 @@ def recoveries(recs: list[dict]) -> list[dict]:
 
 
 def test_forced_rerouting_keeps_the_layout(reference, tmp_path: Path) -> None:
-    ref_losses, ref_dump = reference
+    ref_losses, ref_dump, ref_evals = reference
     profile = write_profile(tmp_path / "p.json", favour="pp", tp=1, **PROFILE_8)
     recs, dumps, log = run_eight(tmp_path, "reroute", profile)
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
@@ -72,13 +87,17 @@ def test_forced_rerouting_keeps_the_layout(reference, tmp_path: Path) -> None:
     assert rec["migrated_bytes"] == 0 and rec["redo_iteration"] == 3
     after = [r for r in recs if r["event"] == "iteration" and r["iteration"] >= 3]
     assert len(after) >= 10 and all(r["layout"].get("rerouted") == [5] for r in after)
+    assert_evals_match(recs, ref_evals)
+    # estimator feedback: the rerouted layout's measured step against its estimate
+    (est,) = [r for r in recs if r["event"] == "estimator"]
+    assert est["rerouted"] and est["measured_s"] > 0 and est["estimated_s"] > 0
     # pipeline 0 (ranks 0, 4) is a whole replica; pipeline 1 lost its last stage
     assert_same_state(combine([ref_dump]), replica(dumps, [0, 4]), iters=ITERS)
     assert sorted(dumps) == [0, 1, 2, 3, 4, 6, 7]
 
 
 def test_forced_heterogeneous_re_plan(reference, tmp_path: Path) -> None:
-    ref_losses, ref_dump = reference
+    ref_losses, ref_dump, ref_evals = reference
     profile = write_profile(tmp_path / "p.json", favour="none", tp=1, p2p_bandwidth_Bps=1e9,
                             **PROFILE_8)
     recs, dumps, log = run_eight(tmp_path, "replan", profile)
@@ -89,13 +108,14 @@ def test_forced_heterogeneous_re_plan(reference, tmp_path: Path) -> None:
     assert sorted((len(p["stages"]), p["microbatches"]) for p in pipes) == [
         (1, 2), (1, 3), (1, 3), (2, 4), (2, 4)]
     assert rec["migrated_bytes"] > 0 and rec["spares"] == []
+    assert_evals_match(recs, ref_evals)
     depth_one = [p["stages"][0][0] for p in pipes if len(p["stages"]) == 1]
     for rank in depth_one:  # a depth-1 pipeline holds the whole model
         assert_same_state(combine([ref_dump]), replica(dumps, [rank]), iters=ITERS)
 
 
 def test_adaptive_reroutes_then_re_plans(reference, tmp_path: Path) -> None:
-    ref_losses, ref_dump = reference
+    ref_losses, ref_dump, _ = reference
     profile = write_profile(tmp_path / "p.json", favour="none", tp=1, p2p_bandwidth_Bps=1e9,
                             allreduce_bandwidth_Bps=1e7, transfer_bandwidth_Bps=1e4,
                             regroup_s=0.01, seconds_per_flop=1e-9, **PROFILE_8)

@@ -4,6 +4,8 @@ in-memory store)."""
 
 from __future__ import annotations
 
+import json
+
 import threading
 import time
 
@@ -102,6 +104,17 @@ def test_a_silent_agent_is_lost_with_its_ranks_and_a_finished_one_is_not() -> No
     assert not watch[2].job_finished()  # it has not seen agent 0 finish or agent 1 get lost
 
 
+def test_a_lost_node_takes_its_restarted_workers_with_it() -> None:
+    j = job()
+    watch = {g: NodeWatch(j, g, 2, [g], timeout_s=10.0) for g in range(2)}
+    watch[1].add_rank(7)  # agent 1 restarted a worker as joiner 7
+    for now in (0.0, 1.0):
+        for g in (1, 0):
+            watch[g].tick(now, node=f"n{g}", finished=False)
+    lost = watch[0].tick(12.0, node="n0", finished=False)
+    assert [r.rank for r in lost] == [1, 7]
+
+
 def _agree(j: JobStore, ranks: list[int], previous: list[int], **kw) -> dict:
     out: dict = {}
 
@@ -124,6 +137,13 @@ def test_survivors_agree_on_one_membership_without_the_announced_failed() -> Non
     out = _agree(j, [0, 2, 3], [0, 1, 2, 3], timeout_s=10)
     assert {r: m.members for r, m in out.items()} == {r: (0, 2, 3) for r in (0, 2, 3)}
     assert out[0].failed == {1} and out[3].index(3) == 2
+
+
+def test_members_invited_by_the_opener_are_waited_for() -> None:
+    j = job()
+    j.scoped("gen/1").set("expected", json.dumps([0, 2, 5]))  # rank 5 joins the job
+    out = _agree(j, [0, 2, 5], [0, 2], timeout_s=10)
+    assert {r: m.members for r, m in out.items()} == {r: (0, 2, 5) for r in (0, 2, 5)}
 
 
 def test_a_rank_that_neither_joins_nor_is_announced_blocks_until_the_timeout() -> None:

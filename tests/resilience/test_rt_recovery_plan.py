@@ -278,3 +278,39 @@ def test_a_lost_job_store_ends_the_job_with_the_way_to_restart_it() -> None:
     with pytest.raises(RecoveryFailed, match="restart the job with --load /ckpt"):
         controller.handle(RuntimeError("Connection closed by peer"), trainer)
     assert [r["fallback"] for r in emitted] == ["restart"]
+
+
+@pytest.mark.parametrize("prior_s, replan", [(1.0, False), (1e9, True)])
+def test_a_rerouting_job_asks_again_whether_to_re_plan(tmp_path, prior_s, replan) -> None:
+    """After rerouting around rank 3 the controller asks the decision center again (with
+    what it measured since): while the next failure is expected soon, the re-plan's 66 s
+    transition does not pay; with a long MTBF it does (REROUTE_WINS: 8/36 x (D - 66)/D
+    beats 8/54 for D > 198 s)."""
+    from chameleon_megatron.resilience.profile import save_profile
+    from chameleon_megatron.resilience.reroute_plan import plan_reroute
+
+    save_profile(REROUTE_WINS, tmp_path / "p.json")
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig(profile=str(tmp_path / "p.json"), mtbf_prior_s=prior_s)
+    controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+                                    injector=FaultInjector(0), ft=ft, me=0, plan=DP2_PP2,
+                                    backend="gloo")
+    controller.reroute = plan_reroute(DP2_PP2, [3], REROUTE_WINS)
+    controller.members = (0, 1, 2)
+    args = tiny_args(micro_batch_size=1, bf16=False, optimizer="adam",
+                     use_distributed_optimizer=False, num_experts=None, sequence_parallel=False)
+    trainer = SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"))
+    assert controller._replan_now_wins(trainer) is replan
+
+
+def test_a_joiner_offered_when_keeping_the_layout_scores_better_waits_as_a_spare() -> None:
+    """No rank failed; rank 4 (a restarted worker, holding nothing) is offered. With the next
+    failure expected soon, the 60 s regroup of any re-plan does not pay: the megatron layout
+    stays as it is (state copied in place) and rank 4 is a spare."""
+    d = decide(DP2_PP2, alive=[0, 1, 2, 3, 4], stale=[4], profile=REROUTE_WINS, d_s=100.0)
+    assert d.record["choice"] == "reroute" and d.record["executed"] == "reroute"
+    assert (d.mode, d.reroute, d.plan, d.spares) == ("megatron", None, DP2_PP2, (4,))
+    assert d.layout == UniformLayout(1, 2, 2) and d.active == (0, 1, 2, 3)
+    assert all(t.src == t.dst for t in d.transfers) and "lost" not in d.record
+    grown = decide(DP2_PP2, alive=[0, 1, 2, 3, 4], stale=[4], profile=REROUTE_WINS, d_s=1e6)
+    assert grown.record["choice"] == "replan" and 4 in grown.active
