@@ -141,6 +141,9 @@ class ChameleonAgent(LocalElasticAgent):
             if code is None:
                 continue
             member.finish(code)
+            # what the worker left in its session (a checkpoint writer's manager, say) ends
+            # with it: nobody else would stop it
+            _signal(member.proc, signal.SIGKILL)
             if code == 0:
                 continue
             self._failed(job, member, FailureRecord(

@@ -30,9 +30,10 @@ class SwapConfig:
     """Host<->device copy bandwidth in GB/s (none: measured at start-up on GPU, 10 on CPU)."""
     min_tensor_bytes: int = 1 << 20
     """Saved tensors smaller than this are never swapped."""
-    granularity: Literal["layer", "microbatch"] = "layer"
+    granularity: Literal["auto", "layer", "microbatch"] = "auto"
     """Profiling stage: forward/backward x microbatch x chunk, and x transformer layer for
-    'layer'."""
+    'layer'; 'auto' starts per layer and switches at run time (docs/swap.md, Stage
+    adjusting)."""
     size_tolerance: float = 0.05
     """Relative change of a stage's saved bytes (same operators) that counts as a changed
     sequence."""

@@ -2,10 +2,16 @@
 
 Stage adjusting: a step runs the full profiler when there is no plan yet, when the
 previous step's lightweight signature differed from the one the plan was built from,
-and after an out-of-memory error; otherwise the lightweight profiler. A plan is built at
-the end of each full step and used from the next, so after a change in step s the new
-plan is in use in step s + 2. A full step keeps executing the old plan (matching is
-fuzzy) and the budget guard, so memory stays bounded while profiling.
+after an out-of-memory error and after a granularity switch; otherwise the lightweight
+profiler. A plan is built at the end of each full step and used from the next, so after a
+change in step s the new plan is in use in step s + 2. A full step keeps executing the old
+plan (matching is fuzzy) and the budget guard, so memory stays bounded while profiling.
+
+With ``granularity: auto`` the end of each step also feeds the stage-adjusting rule
+(``stage_adjust.py``). A switch decided in step s sets the tracker's granularity for step
+s + 1 and drops the plan, whose stages are keyed at the old granularity (nothing would
+match): step s + 1 profiles fully under the old plan's budget, and the new plan is in use
+in step s + 2.
 
 OOM (GPU): an out-of-memory error inside a step evicts every resident saved storage
 synchronously, lowers the enforced budget and the next plan's by ``oom_backoff`` (never
@@ -33,6 +39,10 @@ from chameleon_megatron.swap.matching import MatchIndex
 from chameleon_megatron.swap.policy import Plan, generate_plan, min_feasible_budget
 from chameleon_megatron.swap.profile import StepProfile
 from chameleon_megatron.swap.signature import StepSignature, changed_stages
+from chameleon_megatron.swap.stage import coarsen
+from chameleon_megatron.swap.stage_adjust import (
+    AdjustRule, Granularity, GranularityDecision, StageObservation, decide, observe,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,8 @@ class RunTotals:
     blocking_swapins: int = 0
     forced_swaps: int = 0
     ooms: int = 0
+    switches: int = 0
+    """Granularity switches."""
     profiler_s: float = 0.0
     plan_s: float = 0.0
 
@@ -64,13 +76,16 @@ class SwapManager:
     """Drives one executor through the steps of a run."""
 
     def __init__(self, config: SwapConfig, executor: SwapExecutor, *, budget: BudgetSpec,
-                 bandwidth_bps: float, cost: ProfilerCost, rank: int = 0) -> None:
+                 bandwidth_bps: float, cost: ProfilerCost, rank: int = 0,
+                 rule: AdjustRule = AdjustRule()) -> None:
         self.config = config
         self.executor = executor
         self.budget = budget
         self.bandwidth_bps = bandwidth_bps
         self.cost = cost
         self.rank = rank
+        self.rule = rule
+        executor.tracker.layers = config.granularity != "microbatch"  # auto starts per layer
         self.plan: Plan | None = None
         self.plan_version = 0
         self.reference: StepSignature | None = None
@@ -80,10 +95,17 @@ class SwapManager:
         self.reprofile: str | None = "initial"
         """Why the next step profiles fully (None: it runs lightweight)."""
         self.oom_factor = 1.0
-        self.lowered_guard: int | None = None
-        """Budget enforced after an OOM until the next plan (which is built lower too)."""
+        self.guard: int | None = None
+        """Budget enforced until the next plan: lowered after an OOM (the next plan is built
+        lower too), the dropped plan's after a granularity switch."""
         self.oom_retry = False
         """Whether the last OOM lowered the budget, so redoing the step can succeed."""
+        self.layer_reference: StepSignature | None = None
+        """Per-layer signature of the last per-layer profile: the plan's reference at layer
+        granularity; per microbatch, the one layer granularity would have taken (the step
+        after each per-layer change). None: this step's becomes it."""
+        self.observed: list[StageObservation] = []
+        """Auto granularity: steps observed since the last switch (the rule's span at most)."""
         self.last_metrics: dict[str, Any] = {}
         self.totals = RunTotals()
 
@@ -106,9 +128,14 @@ class SwapManager:
             ex.tracker.sync = None
         self._finish(iteration, full, counters)
 
+    @property
+    def granularity(self) -> Granularity:
+        """The stage granularity of the next step."""
+        return "layer" if self.executor.tracker.layers else "microbatch"
+
     def _guard_budget(self) -> int | None:
-        if self.lowered_guard is not None:
-            return self.lowered_guard
+        if self.guard is not None:
+            return self.guard
         if self.plan is not None:
             return self.plan.budget_bytes
         spec = self.budget
@@ -124,7 +151,8 @@ class SwapManager:
     def _finish(self, iteration: int, full: bool, counters: StepCounters) -> None:
         ex = self.executor
         start = time.perf_counter()
-        signature = ex.tracker.signature()
+        layers = ex.tracker.layer_signature()
+        signature = layers if ex.tracker.per_layer else coarsen(layers)
         tolerance = self.config.size_tolerance
         # Reported: a change since the previous step. Acted on: a change since the plan's step.
         changed = () if self.previous is None else changed_stages(
@@ -132,10 +160,14 @@ class SwapManager:
         stale = self.reference is not None and bool(changed_stages(
             self.reference, signature, tolerance))
         self.previous = signature
-        profile = ex.recorder.finish(ex.tracker.segments, ex.op_names, signature) if full else None
+        switch = self._adjust(layers)
+        # A switch drops the plan: a profile keyed at the old granularity is of no use.
+        profile = ex.recorder.finish(ex.tracker.segments, ex.op_names, signature) \
+            if full and switch is None else None
         profiler_s = time.perf_counter() - start + counters.packs * (
             self.cost.full_s if full else self.cost.light_s)
-        used = (self.plan, self.plan_version)
+        used = (self.plan, self.plan_version if self.plan is not None else 0,
+                "layer" if ex.tracker.per_layer else "microbatch")
         plan_s = 0.0
         if profile is not None:
             start = time.perf_counter()
@@ -146,6 +178,8 @@ class SwapManager:
         if changed:
             logger.info("swap change %s", {"rank": self.rank, "iteration": iteration,
                                             "stages": len(changed), "first": changed[0]})
+        if switch is not None:
+            self._switch(switch, layers, iteration)
         self.last_metrics = self._metrics(used, full, counters, bool(changed), profiler_s, plan_s)
         self._accumulate(counters, full, bool(changed), profiler_s, plan_s, used[0])
 
@@ -157,9 +191,11 @@ class SwapManager:
         plan = generate_plan(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
                              min_bytes=cfg.min_tensor_bytes, time_limit_s=cfg.plan_time_limit_s)
         self.executor.set_plan(plan, MatchIndex(profile.records))
-        self.plan, self.lowered_guard = plan, None
+        self.plan, self.guard = plan, None
         self.plan_version += 1
         self.reference = profile.signature
+        if self.executor.tracker.per_layer:
+            self.layer_reference = profile.signature
         record = {"rank": self.rank, "iteration": iteration, "reason": self.reprofile,
                   "version": self.plan_version, "budget_bytes": plan.budget_bytes,
                   "no_swap_peak_bytes": plan.no_swap_peak_bytes,
@@ -168,6 +204,41 @@ class SwapManager:
                   "expected_stall_s": plan.expected_stall_s, "optimal": plan.optimal}
         self.reprofile = None
         (logger.warning if plan.expected_stall_s > 0 else logger.info)("swap plan %s", record)
+
+    def _adjust(self, layers: StepSignature) -> GranularityDecision | None:
+        """Auto granularity: observe this step; the rule's decision when it switches."""
+        if self.config.granularity != "auto":
+            return None
+        seen = observe(self.layer_reference, layers, self.config.size_tolerance)
+        if self.layer_reference is None:
+            self.layer_reference = layers
+        elif seen.layer_changed:
+            self.layer_reference = None  # re-profiled in the next step at layer granularity
+        span = max(self.rule.window, self.rule.calm)
+        self.observed = (self.observed + [seen])[-span:]
+        decision = decide(self.granularity, self.observed, self.rule)
+        return decision if decision.switch else None
+
+    def _switch(self, decision: GranularityDecision, layers: StepSignature,
+                iteration: int) -> None:
+        """Use ``decision.granularity`` from the next step, which profiles fully."""
+        before = self.granularity
+        layer = decision.granularity == "layer"
+        self.executor.tracker.layers = layer
+        self.previous = layers if layer else coarsen(layers)  # changes still reported
+        # The plan's stages are keyed at the old granularity, so none would match: drop it,
+        # keeping its budget until the re-profile builds the next plan.
+        if self.plan is not None and self.guard is None:
+            self.guard = self.plan.budget_bytes
+        self.plan = self.reference = None
+        self.executor.set_plan(None, None)
+        self.reprofile = "granularity"
+        self.observed = []
+        self.totals.switches += 1
+        logger.info("swap granularity %s", {
+            "rank": self.rank, "iteration": iteration, "from": before,
+            "to": decision.granularity, "reason": decision.reason,
+            "hidden_reprofiles": decision.hidden, "steps": decision.steps})
 
     def _on_oom(self, iteration: int) -> None:
         freed = self.executor.evict(1 << 62)
@@ -178,20 +249,22 @@ class SwapManager:
         before = self.executor.budget
         floor = self.plan.min_budget_bytes if self.plan is not None else 1
         if before is not None:
-            self.lowered_guard = max(int(before * backoff), floor)
+            self.guard = max(int(before * backoff), floor)
         # Without a budget yet (an OOM while profiling the first step under a fractional
         # budget) or already at the least achievable one, a redo would fail the same way.
-        self.oom_retry = before is not None and self.lowered_guard < before
+        self.oom_retry = before is not None and self.guard < before
         logger.warning("swap oom %s", {"rank": self.rank, "iteration": iteration,
                                        "evicted_bytes": freed, "budget_before": before,
-                                       "budget_now": self.lowered_guard,
+                                       "budget_now": self.guard,
                                        "redo": self.oom_retry})
 
-    def _metrics(self, used: tuple[Plan | None, int], full: bool, c: StepCounters,
-                 changed: bool, profiler_s: float, plan_s: float) -> dict[str, Any]:
-        plan, version = used
+    def _metrics(self, used: tuple[Plan | None, int, Granularity], full: bool,
+                 c: StepCounters, changed: bool, profiler_s: float,
+                 plan_s: float) -> dict[str, Any]:
+        plan, version, granularity = used
         return {
             "mode": "full" if full else "light",
+            "granularity": granularity,
             "plan_version": version,
             "budget_bytes": self.executor.budget,
             "planned_out_bytes": plan.planned_out_bytes if plan else 0,

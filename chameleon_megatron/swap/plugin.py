@@ -75,7 +75,8 @@ class SwapPlugin(TrainerPlugin):
             bandwidth = cfg.bandwidth_gbps * 1e9
         else:
             bandwidth = measure_bandwidth(device) if device.type == "cuda" else CPU_BANDWIDTH_BPS
-        tracker = StageTracker(layers=cfg.granularity == "layer")
+        # Auto starts per layer, so the seams install the layer hooks it may need later.
+        tracker = StageTracker(layers=cfg.granularity != "microbatch")
         # DDP wrappers shadow Module.buffers with a list attribute: call the method itself.
         held = [t for chunk in ctx.model
                 for t in (*chunk.parameters(), *torch.nn.Module.buffers(chunk))]

@@ -1,21 +1,28 @@
 """Stage attribution: where in the step a saved tensor is packed.
 
-A stage is forward/backward x microbatch x model chunk x transformer layer. The schedule
-seams enter ``forward``/``backward`` around each microbatch; layer hooks call
-``enter_layer``/``exit_layer``. The tracker owns this step's per-stage signature
-accumulators and the wall time of each schedule segment (one forward or backward call),
-which the full profiler spreads over the segment's events.
+A stage is forward/backward x microbatch x model chunk, and x transformer layer at layer
+granularity. The schedule seams enter ``forward``/``backward`` around each microbatch;
+layer hooks call ``enter_layer``/``exit_layer``. The tracker owns this step's per-stage
+signature accumulators and the wall time of each schedule segment (one forward or backward
+call), which the full profiler spreads over the segment's events.
+
+At microbatch granularity the tracker still notes where each layer starts and ends in its
+stage's sequence (a mark per layer entry, nothing per saved tensor), so the step's
+per-layer signature is known at either granularity: stage adjusting compares the two.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from types import MappingProxyType
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from chameleon_megatron.swap.signature import StageKey, StageStats, StepSignature
+from chameleon_megatron.swap.signature import (
+    StageKey, StageSignature, StageStats, StepSignature,
+)
 
 
 class StageTracker:
@@ -23,14 +30,19 @@ class StageTracker:
 
     def __init__(self, *, layers: bool = True) -> None:
         self.layers = layers
-        """Whether stages are split per transformer layer (else per microbatch and chunk)."""
+        """Whether stages are split per transformer layer (else per microbatch and chunk),
+        from the next ``reset`` on. Layer hooks must be installed for either to see layers."""
         self.sync: Callable[[], None] | None = None
         """Called at segment edges while timing must be exact (CUDA full profile)."""
         self.reset()
 
     def reset(self) -> None:
         """Start a new step: forget stage statistics, segments and pending outputs."""
+        self._per_layer = self.layers
+        """Granularity of this step's stages."""
         self.stats: dict[StageKey, StageStats] = {}
+        self._marks: dict[StageKey, list[tuple[int, int, int]]] = {}
+        """Microbatch granularity: (layer, codes so far, bytes so far) at each entry."""
         self.segments: list[tuple[float, float]] = []
         self.segment = -1
         self._where: tuple[str, int, int] = ("F", 0, 0)
@@ -38,15 +50,43 @@ class StageTracker:
         self._outputs: dict[int, tuple[int, int]] = {}
         self.current = self._stats_for(-1)
 
+    @property
+    def per_layer(self) -> bool:
+        """Whether this step's stages are split per transformer layer."""
+        return self._per_layer
+
     def signature(self) -> StepSignature:
-        return StepSignature.of(self.stats)
+        """This step's signature at its granularity."""
+        if self._per_layer:
+            return StepSignature.of(self.stats)
+        return coarsen(self.layer_signature())
+
+    def layer_signature(self) -> StepSignature:
+        """This step's signature per transformer layer, at either granularity."""
+        if self._per_layer:
+            return StepSignature.of(self.stats)
+        fine: dict[StageKey, StageStats] = {}
+        for key, stats in self.stats.items():
+            marks = self._marks[key]
+            ends = [(pos, nbytes) for _, pos, nbytes in marks[1:]]
+            ends.append((len(stats.codes), stats.nbytes))
+            for (layer, start, before), (end, after) in zip(marks, ends):
+                piece_key = (*key[:3], layer)
+                piece = fine.get(piece_key)
+                if piece is None:
+                    piece = fine[piece_key] = StageStats(piece_key)
+                piece.codes.extend(stats.codes[start:end])
+                piece.nbytes += after - before
+        return StepSignature.of(fine)
 
     def _stats_for(self, layer: int) -> StageStats:
         phase, mb, chunk = self._where
-        key = (phase, mb, chunk, layer if self.layers else -1)
+        key = (phase, mb, chunk, layer if self._per_layer else -1)
         stats = self.stats.get(key)
         if stats is None:
             stats = self.stats[key] = StageStats(key)
+        if not self._per_layer:
+            self._marks.setdefault(key, []).append((layer, len(stats.codes), stats.nbytes))
         return stats
 
     @contextlib.contextmanager
@@ -93,6 +133,19 @@ class StageTracker:
         if self._layer_stack:
             self._layer_stack.pop()
         self.current = self._stats_for(self._layer_stack[-1] if self._layer_stack else -1)
+
+
+def coarsen(layers: StepSignature) -> StepSignature:
+    """The microbatch-granularity view of a per-layer signature: per (phase, microbatch,
+    chunk), the summed counts and bytes and a digest over the layers' digests in order."""
+    groups: dict[StageKey, list[tuple[int, StageSignature]]] = {}
+    for (phase, mb, chunk, layer), sig in layers.stages.items():
+        groups.setdefault((phase, mb, chunk, -1), []).append((layer, sig))
+    return StepSignature(MappingProxyType({
+        key: StageSignature(count=sum(s.count for _, s in group),
+                            nbytes=sum(s.nbytes for _, s in group),
+                            digest=hash(tuple(sorted((layer, s.digest) for layer, s in group))))
+        for key, group in groups.items()}))
 
 
 class LayerHooks:

@@ -8,7 +8,7 @@ from chameleon_megatron.swap.manager import RunTotals
 
 _COLUMNS = ("rank", "steps", "full", "plans", "changes", "out MiB", "in MiB",
             "peak MiB (plan)", "no-swap MiB", "matched %", "blocking", "forced", "ooms",
-            "profiler ms/step")
+            "profiler ms/step", "switches")
 
 
 def summary_row(rank: int, t: RunTotals) -> tuple[str, ...]:
@@ -19,7 +19,7 @@ def summary_row(rank: int, t: RunTotals) -> tuple[str, ...]:
             f"{t.swapped_out_bytes / mib:.1f}", f"{t.swapped_in_bytes / mib:.1f}",
             f"{t.peak_resident_saved_bytes / mib:.1f}", f"{t.peak_saved_bytes / mib:.1f}",
             f"{matched:.1f}", str(t.blocking_swapins), str(t.forced_swaps), str(t.ooms),
-            f"{per_step:.3f}")
+            f"{per_step:.3f}", str(t.switches))
 
 
 def summary_table(rows: Sequence[tuple[int, RunTotals]]) -> str:

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,9 @@ def worker_main(argv: list[str]) -> int:
     Heartbeat(job, rank).beat(timeout_s=1.0 if how == "hang" else 30.0)
     (args.out / f"started-{rank}").touch()
     time.sleep(0.5)
-    if how == "exit":
+    if how == "exit":  # leaving a helper behind, as checkpoint writers' managers would
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        (args.out / f"helper-{rank}").write_text(str(helper.pid))
         return 7
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -87,6 +90,12 @@ def test_survivors_outlive_failures_and_read_each_announcement(tmp_path: Path) -
     # declared after its 1 s heartbeat timeout, within a few monitor intervals
     assert 1.0 <= hang["time"] - hang["last_seen"] < 5.0
     assert not (tmp_path / "1.json").exists() and not (tmp_path / "2.json").exists()
+    helper = int((tmp_path / "helper-1").read_text())  # the failed worker's session went too
+    assert not Path(f"/proc/{helper}").exists() or "Z" in _state(helper)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_without_chameleon_ft_it_is_plain_torchrun(tmp_path: Path) -> None:

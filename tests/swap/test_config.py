@@ -30,6 +30,10 @@ def test_flags_and_yaml_reach_the_swap_config():
     assert cfg.enabled and cfg.budget_bytes_per_stage == (300, 200)
     assert cfg.granularity == "microbatch" and cfg.min_tensor_bytes == 4096
     assert cfg.size_tolerance == 0.1
+    assert SwapConfig().granularity == "auto"
+    with pytest.raises(ConfigError, match=r"swap\.granularity='token'.*must be one of "
+                                          r"\['auto', 'layer', 'microbatch'\]"):
+        build_config({"swap": {"granularity": "token"}}, parser.parse_args([]))
 
 
 @pytest.mark.parametrize("field,value,limit", [

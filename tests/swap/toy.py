@@ -47,7 +47,40 @@ class ToyGPT(nn.Module):
         return self.head(x)
 
 
-def layer_hooks(model: ToyGPT, tracker: StageTracker) -> LayerHooks:
+class MlpBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class SplitGPT(nn.Module):
+    """Layers that share a microbatch's tokens: block i runs on its slice of the sequence,
+    ``shares`` of it each. Changing the shares moves saved bytes between layers and keeps
+    the microbatch's total and operator sequence, as expert capacity does in MoE layers
+    (exaggerated here, so every step's change passes the size tolerance)."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(MlpBlock(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+        self.shares = (1 / layers,) * layers
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, out, start = self.emb(tokens), [], 0
+        for i, (blk, share) in enumerate(zip(self.blocks, self.shares)):
+            end = x.shape[1] if i == len(self.blocks) - 1 else start + round(share * x.shape[1])
+            out.append(blk(x[:, start:end]))
+            start = end
+        return self.head(torch.cat(out, dim=1))
+
+
+def layer_hooks(model: nn.Module, tracker: StageTracker) -> LayerHooks:
     return LayerHooks(tracker, ((b, i + 1) for i, b in enumerate(model.blocks)))
 
 
@@ -85,7 +118,7 @@ def make_manager(model: nn.Module, cfg, *, bandwidth_bps: float = 10e9, layers: 
     from chameleon_megatron.swap.manager import SwapManager
 
     tracker = StageTracker(layers=layers)
-    if layers and isinstance(model, ToyGPT):
+    if layers and hasattr(model, "blocks"):
         layer_hooks(model, tracker)
     ex = SwapExecutor(tracker, copier=copier or SyncCopier(),
                       pool=HostPool(pin=False, cache_bytes=1 << 30),
