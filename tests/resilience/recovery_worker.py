@@ -1,6 +1,6 @@
 """The training worker of the recovery tests: ``pretrain_gpt`` plus a state dump.
 
-    python tests/resilience/recovery_worker.py --dump DIR --iters N <trainer flags>
+    python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S] <trainer flags>
 
 Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
 failure-free reference) with one more plugin: a rank that holds part of the model when
@@ -39,8 +39,12 @@ def state_sums(ctx: Any) -> dict:
     return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
 
 
-def dump_plugin(iters: int) -> Any:
-    """A plugin that keeps the last model built on this rank and sums it up at the end."""
+def dump_plugin(iters: int, pace_s: float = 0.0) -> Any:
+    """A plugin that keeps the last model built on this rank and sums it up at the end;
+    ``pace_s``: it waits that long between two steps (so that a restarted worker has time to
+    start up while the job still trains)."""
+    import time
+
     import torch.distributed as dist
 
     from chameleon_megatron.training.plugin import TrainerPlugin
@@ -58,6 +62,9 @@ def dump_plugin(iters: int) -> Any:
                 self.completed = iteration
             return super().step_context(iteration, training=training)
 
+        def between_steps(self, trainer: Any) -> None:
+            time.sleep(pace_s)
+
         def on_train_end(self) -> None:
             # a spare has left the world; an active rank (any layout) holds its last model
             if self.completed == iters and dist.is_initialized():
@@ -70,6 +77,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", type=Path, required=True)
     parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--pace-s", type=float, default=0.0)
     ours, rest = parser.parse_known_args(argv)
     if "RANK" in os.environ:  # under a launcher: leave when it is gone
         sys.path.insert(0, str(Path(__file__).parent))
@@ -78,7 +86,7 @@ def main(argv: list[str]) -> int:
         guard_worker(400)
     from chameleon_megatron import pretrain_gpt
 
-    plugin = dump_plugin(ours.iters)
+    plugin = dump_plugin(ours.iters, ours.pace_s)
     build = pretrain_gpt.build_plugins
     pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
     pretrain_gpt.setup_logging()
