@@ -21,7 +21,6 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -34,12 +33,12 @@ from chameleon_megatron.resilience.hetero_plan import (
     Slot, check_supported, microbatch_ids, slot_of,
 )
 from chameleon_megatron.resilience.hetero_optim import PlanOptimizer
-from chameleon_megatron.resilience.hetero_sync import GradSync, reduction_device, sync_spec
+from chameleon_megatron.resilience.hetero_sync import GradSync, sync_spec
 from chameleon_megatron.resilience.layout import Plan
 from chameleon_megatron.resilience.reroute_plan import ReroutePlan
 from chameleon_megatron.resilience.restorer_plan import AllReduceGroup
 from chameleon_megatron.training import data
-from chameleon_megatron.training.step import Applied, StepResult, loss_func
+from chameleon_megatron.training.step import Applied, StepResult, loss_func, share_loss
 
 Batches = Callable[[int], dict]
 """Global microbatch index of the step -> its batch (tokens, labels, loss_mask, position_ids)."""
@@ -147,7 +146,7 @@ def hetero_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
         reports = _pipeline_schedule(rt, batches, forward_only=True)
     finally:
         rt.model.train()
-    return plan_loss(reports)
+    return share_loss(reports)
 
 
 def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool) -> list[dict]:
@@ -168,17 +167,7 @@ def apply_update(rt: PlanRuntime, reports: list[dict]) -> Applied:
     return Applied(reports=reports, grad_norm=norm, skipped=not applied)
 
 
-def plan_loss(reports: list[dict]) -> tuple[float | None, int]:
-    """Sum the reports of every rank of the plan: loss per token and token count."""
-    totals = torch.zeros(2, dtype=torch.float64, device=reduction_device())
-    for r in reports:
-        totals += r["lm loss"].detach().to(totals.device, torch.float64)
-    dist.all_reduce(totals)
-    loss_sum, tokens = totals.tolist()
-    return (loss_sum / tokens if tokens else None), int(tokens)
-
-
 def step_result(applied: Applied) -> StepResult:
-    loss, tokens = plan_loss(applied.reports)
+    loss, tokens = share_loss(applied.reports)
     return StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
                       skipped=applied.skipped)

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from chameleon_megatron.resilience.hetero_step import (
-    PlanRuntime, hetero_eval, hetero_train, microbatch_source, plan_loss,
+    PlanRuntime, hetero_eval, hetero_train, microbatch_source,
 )
 from chameleon_megatron.resilience.reroute_step import reroute_eval, reroute_train
-from chameleon_megatron.training.step import Applied
+from chameleon_megatron.training.step import Applied, share_loss
 
 
 class PlanEngine:
@@ -36,7 +36,7 @@ class PlanEngine:
         return hetero_train(self.rt, batches)
 
     def global_loss(self, reports: list[dict]) -> tuple[float | None, int]:
-        return plan_loss(reports)
+        return share_loss(reports)
 
     def evaluate(self, dataset: Any, start: int, gbs: int) -> tuple[float | None, int]:
         batches = self._batches(dataset, start, gbs)

@@ -20,11 +20,11 @@ from megatron.core.utils import get_model_type
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.hetero_plan import microbatch_ids
 from chameleon_megatron.resilience.hetero_step import (
-    Batches, PlanRuntime, apply_update, plan_loss, step_result,
+    Batches, PlanRuntime, apply_update, step_result,
 )
 from chameleon_megatron.resilience.hetero_step import forward_step as plan_forward_step
 from chameleon_megatron.resilience.reroute_schedule import Op, routes, schedule
-from chameleon_megatron.training.step import Applied, StepResult
+from chameleon_megatron.training.step import Applied, StepResult, share_loss
 
 
 def rerouted_ops(rt: PlanRuntime) -> tuple[Op, ...]:
@@ -67,7 +67,7 @@ def reroute_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
         runner.drain()
     finally:
         rt.model.train()
-    return plan_loss(runner.reports)
+    return share_loss(runner.reports)
 
 
 class _Runner:

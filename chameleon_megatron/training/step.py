@@ -64,12 +64,16 @@ class Applied:
 
 def global_loss(reports: list[dict]) -> tuple[float | None, int]:
     """Sum the last stage's reports and share them with every rank of the job."""
-    totals = torch.zeros(2, dtype=torch.float64)
     owns_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                  and parallel_state.get_tensor_model_parallel_rank() == 0)
-    if owns_loss:
-        for r in reports:
-            totals += r["lm loss"].detach().to("cpu", torch.float64)
+    return share_loss(reports if owns_loss else [])
+
+
+def share_loss(reports: list[dict]) -> tuple[float | None, int]:
+    """Sum ``reports`` over every rank of the job: loss per token and token count."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    for r in reports:
+        totals += r["lm loss"].detach().to("cpu", torch.float64)
     if dist.get_backend() == "nccl":
         totals = totals.cuda()
     dist.all_reduce(totals)
