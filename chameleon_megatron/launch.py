@@ -4,7 +4,8 @@ Takes torchrun's arguments unchanged (``--nproc-per-node``, ``--nnodes``, ``--no
 ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--master-addr``, ``--master-port``,
 ``-m module`` or a script, then the training arguments). When the training arguments enable
 fault tolerance (``--chameleon-ft``, or ``ft.enabled`` in a ``--chameleon-config`` preset), each
-node runs ``ChameleonAgent`` instead of torchrun's; otherwise this is plain torchrun.
+node runs ``ChameleonAgent`` instead of torchrun's; otherwise this is plain torchrun. With
+``--chameleon-ft-join`` too, this node joins a running job (``join_node.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
 import os
 import sys
 from typing import Iterator
@@ -24,6 +26,7 @@ from chameleon_megatron.config import add_chameleon_args, config_from_args
 from chameleon_megatron.resilience.agent import ChameleonAgent
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.job_store import AGENT_ENV
+from chameleon_megatron.resilience.join_node import run_joining_node
 
 
 def ft_config(training_args: list[str]) -> ResilienceConfig:
@@ -59,6 +62,17 @@ def chameleon_agent(ft: ResilienceConfig) -> Iterator[None]:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
 
 
+def log_agent_events() -> None:
+    """The agent's records (failures, restarts, joins) at INFO on stderr; torch's loggers
+    keep their own set-up."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("chameleon_megatron")
+    ours.setLevel(logging.INFO)
+    ours.addHandler(handler)
+    ours.propagate = False
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
@@ -67,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(args)
         return 0
     check_ft_launch(args)
+    log_agent_events()
     os.environ[AGENT_ENV] = "1"
     # NCCL: on a communication error abort the communicators and raise (2), rather than
     # tear the process down (torchrun's default 1), so that the survivors can recover.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    if ft.join:
+        return run_joining_node(args, ft)
     with chameleon_agent(ft):
         torchrun.run(args)
     return 0

@@ -46,6 +46,8 @@ class ResilienceConfig:
     """How many failed workers this node's agent restarts, each as a new member that joins the job at its next step boundary (a repaired node); 0: none."""
     respawn_delay_s: float = 5.0
     """Seconds between a worker's failure and its restart."""
+    join: bool = False
+    """chameleon-run on a new (or repaired) node: join the running job found at the rendezvous endpoint under --rdzv-id, its workers admitted at the job's next step boundary, instead of starting a job."""
 
     def __post_init__(self) -> None:
         check(self.mtbf_prior_s > 0, "ft.mtbf_prior_s", self.mtbf_prior_s, "must be > 0")

@@ -14,21 +14,27 @@ within 1e-4 relative, and at the end every weight and Adam moment.
     re-plan without migration (depths 4 and 2, 10 and 6 microbatches) wins: it runs.
 * 4 ranks, DP2 x PP2, long prior MTBF: rank 3 dies in step 3, the job re-plans (two
   depth-1 pipelines, rank 2 a spare); its agent restarts the worker, which joins between
-  two steps with the spare, and the job grows to 4 depth-1 pipelines without losing a step.
+  two steps with the spare, and the job grows to 4 depth-1 pipelines without losing a step;
+  the same with a new node instead (a second chameleon-run with --chameleon-ft-join).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_rt_recovery_e2e import (  # noqa: E402
-    FT, assert_losses_match, assert_same_state, combine, faults, launch, records,
-    run_reference, write_profile,
+    FT, assert_losses_match, assert_same_state, combine, faults, job_args, launch, outcome,
+    records, run_reference, write_profile,
 )
+from test_rt_support import free_port, start_launcher, stop  # noqa: E402
+
+from chameleon_megatron.resilience.announce import read_failures
+from chameleon_megatron.resilience.job_store import JobStore
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]
 
@@ -139,29 +145,30 @@ PACE_S = 0.3
 (measured: by step 13)."""
 
 
-def test_long_mtbf_re_plans_and_a_restarted_worker_rejoins(tmp_path: Path) -> None:
-    (tmp_path / "reference").mkdir()
-    ref_losses, ref_dump = run_reference(tmp_path / "reference", REJOIN_ITERS)
-    profile = write_profile(tmp_path / "p.json", favour="dp", tp=1)
-    run = tmp_path / "run"
-    run.mkdir()
-    recs, dumps, log = launch(run, 4, [
-        "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
-        "--chameleon-ft-profile", str(profile), "--chameleon-ft-mtbf-prior-s", "1e9",
-        "--chameleon-ft-respawns", "1", "--chameleon-ft-respawn-delay-s", "0",
-        "--pace-s", str(PACE_S),
-        *faults("rank=3,iteration=3,phase=forward,kind=exit")], timeout_s=300,
-        iters=REJOIN_ITERS)
+@pytest.fixture(scope="module")
+def rejoin_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict]:
+    return run_reference(tmp_path_factory.mktemp("rejoin-reference"), REJOIN_ITERS)
+
+
+def rejoin_flags(tmp: Path) -> list[str]:
+    """4 ranks DP2 x PP2, long prior MTBF, slow stage hops; rank 3 dies in step 3."""
+    profile = write_profile(tmp / "p.json", favour="dp", tp=1)
+    return ["--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s",
+            "120", "--chameleon-ft-profile", str(profile), "--chameleon-ft-mtbf-prior-s", "1e9",
+            "--pace-s", str(PACE_S), *faults("rank=3,iteration=3,phase=forward,kind=exit")]
+
+
+def assert_grown_back(recs: list[dict], dumps: dict, ref_losses: dict, log: str) -> None:
+    """Rank 3 fails: re-plan onto two depth-1 pipelines (ranks 0, 1 hold half the model each
+    and get the other half; rank 2 a spare); joiner 4 (launch world size + 0) joins between
+    two steps with the spare: 4 depth-1 pipelines, every step once, losses as the reference."""
     assert assert_losses_match(recs, ref_losses) == list(range(1, REJOIN_ITERS + 1)), log[-4000:]
     failure, join = recoveries(recs)
     assert failure["cause"] == "failure" and failure["failed_ranks"] == [3]
     assert failure["decision"]["strategy"] == "adaptive"
     assert failure["decision"]["choice"] == "replan", failure["decision"]
-    # slow stage hops: two depth-1 pipelines (ranks 0, 1 hold half the model each and get
-    # the other half); rank 2 waits as a spare
     lay = failure["layout_after"]
     assert (lay["mode"], lay["ranks"], failure["spares"]) == ("megatron", [0, 1], [2])
-    # the restarted worker (launch rank 4: world size + 0) joins between two steps
     assert join["cause"] == "join" and join["joined"] == [4] and join["failed_ranks"] == []
     assert sorted(join["layout_after"]["ranks"]) == [0, 1, 2, 4]
     assert join["redo_iteration"] > 3 and join["migrated_bytes"] > 0
@@ -169,3 +176,41 @@ def test_long_mtbf_re_plans_and_a_restarted_worker_rejoins(tmp_path: Path) -> No
              and r["iteration"] >= join["redo_iteration"]]
     assert grown and grown[-1]["iteration"] == REJOIN_ITERS
     assert 4 in dumps and dumps[4] != {"spare": True}
+
+
+def test_long_mtbf_re_plans_and_a_restarted_worker_rejoins(rejoin_reference,
+                                                            tmp_path: Path) -> None:
+    ref_losses, _ = rejoin_reference
+    recs, dumps, log = launch(tmp_path, 4, [
+        *rejoin_flags(tmp_path), "--chameleon-ft-respawns", "1",
+        "--chameleon-ft-respawn-delay-s", "0"], timeout_s=300, iters=REJOIN_ITERS)
+    assert_grown_back(recs, dumps, ref_losses, log)
+
+
+def test_long_mtbf_re_plans_and_a_new_node_joins(rejoin_reference, tmp_path: Path) -> None:
+    """The same job on a static rendezvous; once rank 3's failure is announced, a second
+    chameleon-run (one worker, --chameleon-ft-join) joins it through the job store."""
+    ref_losses, _ = rejoin_reference
+    port = free_port()
+    rdzv = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--rdzv-id=rt-join"]
+    args = job_args(tmp_path, 4, rejoin_flags(tmp_path), REJOIN_ITERS)
+    node0 = start_launcher([*rdzv, *args], tmp_path / "log")
+    node1 = None
+    try:
+        job = JobStore.connect("127.0.0.1", port, "rt-join", timeout_s=60)
+        deadline = time.monotonic() + 120
+        while not read_failures(job) and time.monotonic() < deadline and node0.poll() is None:
+            time.sleep(0.1)
+        assert read_failures(job), (tmp_path / "log").read_text()[-4000:]
+        one = [a.replace("--nproc-per-node=4", "--nproc-per-node=1") for a in args]
+        node1 = start_launcher([*rdzv, *one, "--chameleon-ft-join"], tmp_path / "log1")
+        assert node0.wait(timeout=240) == 0, (tmp_path / "log").read_text()[-6000:]
+        assert node1.wait(timeout=60) == 0, (tmp_path / "log1").read_text()[-6000:]
+    finally:
+        for proc in (node0, node1):
+            if proc is not None:
+                stop(proc)
+    recs, dumps, log = outcome(tmp_path)
+    assert_grown_back(recs, dumps, ref_losses, log + (tmp_path / "log1").read_text())
+    # the node registered after the launch's one agent
+    assert "'event': 'node_join', 'group_rank': 1" in (tmp_path / "log1").read_text()

@@ -4,6 +4,7 @@ in-memory store)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import threading
@@ -22,7 +23,9 @@ from chameleon_megatron.resilience.detector import (
 from chameleon_megatron.resilience.faults import InjectedFault
 from chameleon_megatron.resilience.heartbeat import Beat, Heartbeat, overdue, read_beats
 from chameleon_megatron.resilience.job_store import JobStore
-from chameleon_megatron.resilience.nodes import NodeWatch
+from chameleon_megatron.resilience.nodes import (
+    Launch, NodeWatch, publish_launch, read_launch, register_joined_node,
+)
 from chameleon_megatron.resilience.regroup import RegroupError, agree_membership
 
 pytestmark = pytest.mark.timeout(30)
@@ -113,6 +116,44 @@ def test_a_lost_node_takes_its_restarted_workers_with_it() -> None:
             watch[g].tick(now, node=f"n{g}", finished=False)
     lost = watch[0].tick(12.0, node="n0", finished=False)
     assert [r.rank for r in lost] == [1, 7]
+
+
+def test_a_node_that_joins_later_is_watched_and_waited_for() -> None:
+    j = job()
+    publish_launch(j, world_size=4, nodes=2)
+    launch = read_launch(j, timeout_s=1)
+    assert launch == Launch(world_size=4, nodes=2)
+    watch = {g: NodeWatch(j, g, 2, [g], timeout_s=10.0) for g in range(2)}
+    late = register_joined_node(j, launch)
+    assert (late, register_joined_node(j, launch)) == (2, 3)  # numbers are never reused
+    watch[late] = NodeWatch(j, late, 2, [4], timeout_s=10.0)
+    for now in (0.0, 1.0):
+        for g in (late, 1, 0):
+            watch[g].tick(now, node=f"n{g}", finished=g != late)
+    assert not watch[0].job_finished()  # the late node's worker still trains
+    # agent 3 registered but never beat: given up after the timeout, with no ranks; the
+    # late node goes silent too and is announced with its worker
+    lost = watch[0].tick(12.0, node="n0", finished=True)
+    assert [(r.rank, r.node) for r in lost] == [(4, "n2")]
+    assert watch[0].job_finished()
+
+
+def test_no_launch_to_join_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="no chameleon-run job with run id 'run'"):
+        read_launch(job(), timeout_s=0.3, poll_s=0.1)
+
+
+def test_an_agent_that_finished_stops_waiting_once_the_store_is_gone() -> None:
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    watch = NodeWatch(JobStore.connect("127.0.0.1", host.port, "run", timeout_s=5), 1, 2, [1],
+                      timeout_s=10.0)
+    watch.tick(0.0, node="n1", finished=False)
+    del host  # the host's agent leaves
+    with pytest.raises(dist.DistNetworkError):  # workers still running: a real failure
+        watch.tick(1.0, node="n1", finished=False)
+    assert not watch.job_finished()
+    assert watch.tick(2.0, node="n1", finished=True) == []
+    assert watch.job_finished()
 
 
 def _agree(j: JobStore, ranks: list[int], previous: list[int], **kw) -> dict:

@@ -124,6 +124,41 @@ def test_ft_launch_refuses_options_that_undo_recovery(flag: str, message: str) -
     assert not ft_config(plain.training_script_args).enabled
 
 
+def test_a_joining_node_finds_the_job_store_at_the_rendezvous_endpoint() -> None:
+    import torch.distributed.run as torchrun
+
+    from chameleon_megatron.launch import ft_config
+    from chameleon_megatron.resilience.join_node import store_endpoint
+
+    def parse(*flags: str):  # type: ignore[no-untyped-def]
+        return torchrun.parse_args([*flags, "train.py", "--chameleon-ft", "--chameleon-ft-join"])
+
+    static = parse("--master-addr=10.0.0.5", "--master-port=29511", "--rdzv-id=job")
+    assert ft_config(static.training_script_args).join
+    assert store_endpoint(static) == ("10.0.0.5", 29511)
+    c10d = parse("--rdzv-backend=c10d", "--rdzv-endpoint=head:29600", "--rdzv-id=job")
+    assert store_endpoint(c10d) == ("head", 29600)
+    assert store_endpoint(parse("--rdzv-backend=c10d", "--rdzv-endpoint=head")) == ("head", 29400)
+    with pytest.raises(ValueError, match="--standalone with --chameleon-ft-join"):
+        store_endpoint(parse("--standalone"))
+
+
+def test_a_node_waiting_at_the_rendezvous_does_not_restart_the_workers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """torch's agent restarts every worker when a node waits at the rendezvous; ours keeps
+    them and says how to join (once)."""
+    from chameleon_megatron.resilience.agent import ChameleonAgent
+
+    agent = ChameleonAgent.__new__(ChameleonAgent)  # only the restart step is exercised
+    agent._told_waiting = False
+    with caplog.at_level("ERROR"):
+        agent._restart_workers(None)  # torch's would stop and re-rendezvous the group
+        agent._restart_workers(None)
+    assert [r.message for r in caplog.records if "--chameleon-ft-join" in r.message] == [
+        "a node is waiting at the rendezvous: the workers are not restarted; start it with "
+        "--chameleon-ft-join to join the running job"]
+
+
 def test_a_lost_node_is_announced_by_the_other_agent(tmp_path: Path) -> None:
     """Two agents (nodes) of one worker each; node 1's agent is killed with its worker."""
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",

@@ -144,18 +144,27 @@ def run_reference(tmp: Path, iters: int = ITERS,
 def launch(tmp: Path, nproc: int, flags: list[str], timeout_s: float,
            iters: int = ITERS) -> tuple[list, dict, str]:
     """A chameleon-run job of this worker: (metrics records, dumps by launch rank, log)."""
-    dump = tmp / "dump"
-    dump.mkdir()
-    metrics = tmp / "metrics.jsonl"
-    args = ["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.1", str(WORKER),
-            "--dump", str(dump), "--iters", str(iters), *COMMON, *flags,
-            "--chameleon-metrics-file", str(metrics)]
-    code, _ = run_launcher(args, tmp / "log", timeout_s=timeout_s)
+    code, _ = run_launcher(["--standalone", *job_args(tmp, nproc, flags, iters)], tmp / "log",
+                           timeout_s=timeout_s)
     log = (tmp / "log").read_text()
     assert code == 0, log[-6000:]
+    return outcome(tmp)
+
+
+def job_args(tmp: Path, nproc: int, flags: list[str], iters: int = ITERS) -> list[str]:
+    """chameleon-run's arguments (rendezvous options aside) for a job of this worker that
+    dumps into ``tmp/dump`` and writes ``tmp/metrics.jsonl``."""
+    (tmp / "dump").mkdir(exist_ok=True)
+    return [f"--nproc-per-node={nproc}", "--monitor-interval=0.1", str(WORKER),
+            "--dump", str(tmp / "dump"), "--iters", str(iters), *COMMON, *flags,
+            "--chameleon-metrics-file", str(tmp / "metrics.jsonl")]
+
+
+def outcome(tmp: Path) -> tuple[list, dict, str]:
+    """(metrics records, dumps by launch rank, log) of a finished job; no process left."""
     assert not leftover(tmp), f"processes left behind: {leftover(tmp)}"
-    dumps = {int(p.stem): json.loads(p.read_text()) for p in dump.glob("*.json")}
-    return records(metrics), dumps, log
+    dumps = {int(p.stem): json.loads(p.read_text()) for p in (tmp / "dump").glob("*.json")}
+    return records(tmp / "metrics.jsonl"), dumps, (tmp / "log").read_text()
 
 
 def records(metrics: Path) -> list[dict]:
