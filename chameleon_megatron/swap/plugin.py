@@ -37,10 +37,15 @@ CPU_BANDWIDTH_BPS = 10e9
 """Assumed copy bandwidth without a GPU (the CPU executor copies synchronously)."""
 
 
-def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int,
-                device: torch.device) -> BudgetSpec:
-    """This rank's budget from the config (ValueError on a bad combination)."""
+def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int, device: torch.device,
+                launch_pp_size: int | None = None) -> BudgetSpec:
+    """This rank's budget from the config (ValueError on a bad combination).
+    ``launch_pp_size``: the pipeline depth the job started with, when this is a rebuild."""
     per_stage = config.budget_bytes_per_stage
+    if per_stage and launch_pp_size is not None and pp_size != launch_pp_size:
+        # A recovery re-planned the pipelines (fault tolerance): the configured stages no
+        # longer exist, so the tightest of their budgets holds on every stage.
+        return BudgetSpec(absolute_bytes=min(per_stage))
     if per_stage:
         check(len(per_stage) == pp_size, "swap.budget_bytes_per_stage", per_stage,
               f"needs one budget per pipeline stage ({pp_size})")
@@ -65,12 +70,17 @@ class SwapPlugin(TrainerPlugin):
         self.seams: SwapSeams | None = None
         self.rank = 0
         self._step_rng: dict[str, Any] | None = None
+        self._launch_pp_size: int | None = None
+        """Pipeline depth of the first build (a recovery may change it later)."""
 
     def on_model_built(self, ctx: TrainContext) -> None:
         """Build tracker, executor and manager for this rank's model (again after a rebuild)."""
         self._teardown()
         cfg, device = self.config, ctx.device
-        spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device)
+        spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device,
+                           launch_pp_size=self._launch_pp_size)
+        if self._launch_pp_size is None:
+            self._launch_pp_size = ctx.pp_size
         if cfg.bandwidth_gbps is not None:
             bandwidth = cfg.bandwidth_gbps * 1e9
         else:

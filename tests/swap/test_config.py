@@ -62,6 +62,16 @@ def test_a_rank_gets_its_pipeline_stage_budget():
         budget_spec(SwapConfig(budget_device_fraction=0.5), pp_rank=0, pp_size=1, device=cpu)
 
 
+def test_after_a_re_plan_to_another_depth_the_tightest_stage_budget_holds():
+    cfg = SwapConfig(budget_bytes_per_stage=(300, 200))
+    cpu = torch.device("cpu")
+    rebuilt = {"device": cpu, "launch_pp_size": 2}
+    assert budget_spec(cfg, pp_rank=0, pp_size=1, **rebuilt) == BudgetSpec(absolute_bytes=200)
+    assert budget_spec(cfg, pp_rank=2, pp_size=3, **rebuilt) == BudgetSpec(absolute_bytes=200)
+    # the same depth as at launch: each stage its own budget, as before the failure
+    assert budget_spec(cfg, pp_rank=0, pp_size=2, **rebuilt) == BudgetSpec(absolute_bytes=300)
+
+
 def test_budget_resolution():
     # A: 100 B packed at 0 (device in use 1000 then), B: 60 B packed at 1 (device 1200).
     p = make_profile([(100, True), (60, True)],
