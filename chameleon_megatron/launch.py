@@ -5,7 +5,9 @@ Takes torchrun's arguments unchanged (``--nproc-per-node``, ``--nnodes``, ``--no
 ``-m module`` or a script, then the training arguments). When the training arguments enable
 fault tolerance (``--chameleon-ft``, or ``ft.enabled`` in a ``--chameleon-config`` preset), each
 node runs ``ChameleonAgent`` instead of torchrun's; otherwise this is plain torchrun. With
-``--chameleon-ft-join`` too, this node joins a running job (``join_node.py``).
+``--chameleon-ft-join`` too, this node joins a running job (``join_node.py``). When the job
+store is lost with node 0, the surviving nodes relaunch the job among themselves from its
+last checkpoint (``store_loss.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from chameleon_megatron.resilience.agent import ChameleonAgent
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.job_store import AGENT_ENV
 from chameleon_megatron.resilience.join_node import run_joining_node
+from chameleon_megatron.resilience.store_loss import (
+    RELAUNCH_ENV, StoreLost, relaunch_args, resume_directory,
+)
+
+
+logger = logging.getLogger("chameleon_megatron.launch")  # also when run as __main__
 
 
 def ft_config(training_args: list[str]) -> ResilienceConfig:
@@ -88,9 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if ft.join:
         return run_joining_node(args, ft)
-    with chameleon_agent(ft):
-        torchrun.run(args)
-    return 0
+    relaunches = 0
+    while True:
+        try:
+            with chameleon_agent(ft):
+                torchrun.run(args)
+            return 0
+        except StoreLost as lost:
+            args = relaunch_args(args, lost)  # ValueError: cannot resume, said why
+            relaunches += 1
+            os.environ[RELAUNCH_ENV] = str(relaunches)
+            logger.error({"event": "relaunch", "why": str(lost), "count": relaunches,
+                          "nodes": int(args.nnodes), "node_rank": args.node_rank,
+                          "store": f"{args.master_addr}:{args.master_port}",
+                          "resume_from": resume_directory(args.training_script_args)})
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ with all its ranks by the others. The agent reports its workers healthy while an
 waits until every agent (including those of nodes that joined later, ``join_node.py``) is
 finished or lost, so the store stays up as long as anyone trains. It never restarts the
 worker group: a node waiting at the rendezvous is told to join with ``--chameleon-ft-join``.
+When the store itself is lost (node 0 gone), it raises ``StoreLost`` with the surviving
+agents it knows of, and the launcher resumes the job from its checkpoint (``store_loss.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import socket
 import time
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -28,6 +31,7 @@ from chameleon_megatron.resilience.announce import announce
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.job_store import JobStore
 from chameleon_megatron.resilience.nodes import NodeWatch, publish_launch
+from chameleon_megatron.resilience.store_loss import StoreLost
 from chameleon_megatron.resilience.worker_pool import Member, Slot, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -49,9 +53,11 @@ class ChameleonAgent(LocalElasticAgent):
                                worker_group.spec.rdzv_handler.get_run_id())
         publish_launch(job, world_size=worker_group.workers[0].world_size,
                        nodes=worker_group.group_world_size)
+        addr = worker_group.spec.local_addr or reachable_addr(worker_group.master_addr,
+                                                              worker_group.master_port)
         self._nodes = NodeWatch(job, worker_group.group_rank, worker_group.group_world_size,
                                 [w.global_rank for w in worker_group.workers],
-                                timeout_s=self._ft.node_timeout_s)
+                                timeout_s=self._ft.node_timeout_s, addr=addr)
         self._pool = WorkerPool(job, self._ft, node=self._node, nodes=self._nodes)
         started_at = time.time()
         pids = super()._start_workers(worker_group)
@@ -70,10 +76,17 @@ class ChameleonAgent(LocalElasticAgent):
         pool, nodes = self._pool, self._nodes
         assert pool is not None and nodes is not None, "workers not started"
         now = time.time()
-        pool.poll(now)
-        for record in nodes.tick(now, node=self._node, finished=pool.all_exited()):
-            if announce(nodes.job, record):
-                logger.error("node lost: rank %d announced failed (%s)", record.rank, record.node)
+        try:
+            pool.poll(now)
+            for record in nodes.tick(now, node=self._node, finished=pool.all_exited()):
+                if announce(nodes.job, record):
+                    logger.error("node lost: rank %d announced failed (%s)", record.rank,
+                                 record.node)
+        except dist.DistNetworkError as exc:
+            if pool.all_exited() or worker_group.group_rank == 0:  # over, or our own store
+                raise
+            # node 0 (the store's host) is gone: torch's run() stops the workers on the way
+            raise StoreLost(nodes.launch_survivors(), worker_group.group_rank, str(exc)) from exc
         if not pool.all_exited() or not nodes.job_finished():
             return RunResult(state=WorkerState.HEALTHY)
         return self._result(pool)
@@ -110,3 +123,12 @@ class ChameleonAgent(LocalElasticAgent):
             for m in pool.members.values()
         }
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
+def reachable_addr(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (what the other nodes can reach; a
+    UDP "connection" sends nothing)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return probe.getsockname()[0]

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Iterator
 
+import torch.distributed as dist
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -89,10 +90,18 @@ def _watch(pool: WorkerPool, nodes: NodeWatch, node: str, interval_s: float) -> 
     """Monitor until this node's workers have exited and every other agent is done."""
     while True:
         now = time.time()
-        pool.poll(now)
-        for record in nodes.tick(now, node=node, finished=pool.all_exited()):
-            if announce(nodes.job, record):
-                logger.error("node lost: rank %d announced failed (%s)", record.rank, record.node)
+        try:
+            pool.poll(now)
+            for record in nodes.tick(now, node=node, finished=pool.all_exited()):
+                if announce(nodes.job, record):
+                    logger.error("node lost: rank %d announced failed (%s)", record.rank,
+                                 record.node)
+        except dist.DistNetworkError as exc:
+            # node 0 is gone; the launch's survivors resume from the checkpoint without
+            # this node (it was not in their rendezvous): it can join the resumed job
+            logger.error("the job store is lost (%s): stopping this node's workers; join the "
+                         "resumed job again with --chameleon-ft-join", exc)
+            return 1
         if pool.all_exited() and nodes.job_finished():
             return 0 if pool.any_succeeded() else 1
         time.sleep(interval_s)

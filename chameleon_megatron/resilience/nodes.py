@@ -59,8 +59,10 @@ class NodeWatch:
     """One agent's view of all agents: the launch's, and those that joined since."""
 
     def __init__(self, job: JobStore, group_rank: int, launch_nodes: int,
-                 ranks: list[int], *, timeout_s: float) -> None:
+                 ranks: list[int], *, timeout_s: float, addr: str = "") -> None:
         self.job = job
+        self.addr = addr
+        """This agent's address as the other nodes reach it (published in its beat)."""
         self._me = group_rank
         self._launch_nodes = launch_nodes
         self._size = launch_nodes
@@ -88,7 +90,8 @@ class NodeWatch:
         self._next_at = now + self._period
         self._finished_said = finished
         self._seq += 1
-        beat = {"seq": self._seq, "ranks": self._ranks, "finished": finished, "node": node}
+        beat = {"seq": self._seq, "ranks": self._ranks, "finished": finished, "node": node,
+                "addr": self.addr}
         try:
             self.job.store.set(f"agent/{self._me}", json.dumps(beat))
             self._size = self._launch_nodes + self.job.counter(_JOINED)
@@ -132,3 +135,21 @@ class NodeWatch:
             if not value or not json.loads(value)["finished"]:
                 return False
         return True
+
+    def launch_survivors(self, *, host: int = 0) -> list[tuple[int, str]]:
+        """(group rank, address) of the launch's agents still training, as this agent last
+        saw them, without the store's ``host``: this one and every other that was neither
+        lost nor finished. Used once the store is gone, so every survivor computes the same
+        list from the beats it had read."""
+        alive = []
+        for g in range(self._launch_nodes):
+            if g == host or g in self._lost:
+                continue
+            if g == self._me:
+                alive.append((g, self.addr))
+                continue
+            value = self._seen.get(g, (b"", 0.0))[0]
+            beat = json.loads(value) if value else None
+            if beat is not None and not beat["finished"]:
+                alive.append((g, beat.get("addr", "")))
+        return alive

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -36,6 +37,7 @@ from chameleon_megatron.resilience.layout import UniformLayout
 from chameleon_megatron.resilience.recovery_plan import uniform_plan
 from chameleon_megatron.resilience.profile import load_profile
 from chameleon_megatron.resilience.runtime_profile import check_profile
+from chameleon_megatron.resilience.store_loss import RELAUNCH_ENV
 from chameleon_megatron.training.plugin import StepAction, TrainContext, TrainerPlugin
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,14 @@ class ResiliencePlugin(TrainerPlugin):
             plan=plan, backend=backend)
 
     def on_train_start(self, trainer: Any) -> StepAction | None:
+        relaunch = os.environ.get(RELAUNCH_ENV)
+        if relaunch is not None:
+            record = {"event": "recovery", "cause": "store_lost", "fallback": "checkpoint",
+                      "relaunch": int(relaunch), "resumed_iteration": trainer.iteration,
+                      "world_size": trainer.env.world_size}
+            logger.warning("job relaunched by the surviving nodes after the job store was "
+                           "lost: %s", record)
+            trainer.emit(record)
         me = join_id_from_env()
         if me is None:
             return None
