@@ -27,7 +27,6 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from chameleon_megatron.resilience.announce import announce
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.job_store import JobStore
 from chameleon_megatron.resilience.nodes import NodeWatch, publish_launch
@@ -75,15 +74,12 @@ class ChameleonAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pool, nodes = self._pool, self._nodes
         assert pool is not None and nodes is not None, "workers not started"
-        now = time.time()
         try:
-            pool.poll(now)
-            for record in nodes.tick(now, node=self._node, finished=pool.all_exited()):
-                if announce(nodes.job, record):
-                    logger.error("node lost: rank %d announced failed (%s)", record.rank,
-                                 record.node)
+            pool.watch(time.time())
         except dist.DistNetworkError as exc:
-            if pool.all_exited() or worker_group.group_rank == 0:  # over, or our own store
+            if pool.all_exited():  # the host left after the job finished
+                return self._result(pool)
+            if worker_group.group_rank == 0:  # its own store cannot be lost
                 raise
             # node 0 (the store's host) is gone: torch's run() stops the workers on the way
             raise StoreLost(nodes.launch_survivors(), worker_group.group_rank, str(exc)) from exc

@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from chameleon_megatron.resilience.announce import announce
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.job_store import AGENT_ENV, JobStore
 from chameleon_megatron.resilience.nodes import NodeWatch, read_launch, register_joined_node
@@ -71,7 +70,7 @@ def run_joining_node(args: argparse.Namespace, ft: ResilienceConfig) -> int:
             for local_rank in range(config.nproc_per_node):
                 pool.spawn(Slot(local_rank, (cmd, *cmd_args),
                                 {**base_env, "LOCAL_RANK": str(local_rank)}), now)
-            return _watch(pool, nodes, node, config.monitor_interval)
+            return _watch(pool, nodes, config.monitor_interval)
         finally:
             pool.stop_joiners(signal.SIGTERM, timeout_s=30)
 
@@ -86,17 +85,14 @@ def _exit_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _watch(pool: WorkerPool, nodes: NodeWatch, node: str, interval_s: float) -> int:
+def _watch(pool: WorkerPool, nodes: NodeWatch, interval_s: float) -> int:
     """Monitor until this node's workers have exited and every other agent is done."""
     while True:
-        now = time.time()
         try:
-            pool.poll(now)
-            for record in nodes.tick(now, node=node, finished=pool.all_exited()):
-                if announce(nodes.job, record):
-                    logger.error("node lost: rank %d announced failed (%s)", record.rank,
-                                 record.node)
+            pool.watch(time.time())
         except dist.DistNetworkError as exc:
+            if pool.all_exited():  # the host left after the job finished
+                return 0 if pool.any_succeeded() else 1
             # node 0 is gone; the launch's survivors resume from the checkpoint without
             # this node (it was not in their rendezvous): it can join the resumed job
             logger.error("the job store is lost (%s): stopping this node's workers; join the "

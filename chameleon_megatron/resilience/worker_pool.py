@@ -90,6 +90,15 @@ class WorkerPool:
         self._kill_silent(now)
         self._respawn_due(now)
 
+    def watch(self, now: float) -> None:
+        """One monitoring round of an agent: its workers, then its beat and the other
+        agents' (their ranks announced when a node is lost)."""
+        self.poll(now)
+        for record in self._nodes.tick(now, node=self._node, finished=self.all_exited()):
+            if announce(self._job, record):
+                logger.error("node lost: rank %d announced failed (%s)", record.rank,
+                             record.node)
+
     def all_exited(self) -> bool:
         """No worker runs and none is waiting to be restarted."""
         return not self._restarts and all(m.exitcode is not None for m in self.members.values())
