@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Train across nodes with torchrun's c10d rendezvous: run this on every node, with the same
-# NNODES, RDZV_ENDPOINT (an address of node 0) and RDZV_ID, and each node's own NODE_RANK.
+# Train across nodes with torchrun's static rendezvous: run this on every node, with the same
+# NNODES, RDZV_ENDPOINT (an address of node 0, which hosts the job store) and RDZV_ID, and
+# each node's own NODE_RANK. A node joining a running --chameleon-ft job later runs it with the
+# same variables (any NODE_RANK) and --chameleon-ft-join after the preset.
 #
 #   NNODES=M NODE_RANK=R RDZV_ENDPOINT=HOST:PORT scripts/launch_multinode.sh N PRESET.yaml [flags...]
 #   NNODES=2 NODE_RANK=0 RDZV_ENDPOINT=host0:29500 scripts/launch_multinode.sh 8 \
@@ -11,7 +13,9 @@
 # consecutive ranks, so tensor parallelism stays inside a node. Flags after the preset
 # override it.
 # The launcher is chameleon-run: torchrun, with an agent that keeps survivors running when
-# the run enables --chameleon-ft (flag or preset), plain torchrun otherwise.
+# the run enables --chameleon-ft (flag or preset), plain torchrun otherwise. With a static
+# rendezvous the surviving nodes can also resume the job from its checkpoint by themselves
+# when node 0 (and with it the store) is lost (docs/resilience.md).
 # PYTHON picks the interpreter (default: the repository's .venv, else python3).
 # CHAMELEON_ENTRY runs another script with the same flags, e.g. a patched Megatron-LM
 # pretrain_gpt.py (docs/megatron-lm.md); default: the chameleon_megatron.pretrain_gpt module.
@@ -34,11 +38,11 @@ python=${PYTHON:-$([[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/pyth
 entry=(-m chameleon_megatron.pretrain_gpt)
 [[ -n ${CHAMELEON_ENTRY:-} ]] && entry=("$CHAMELEON_ENTRY")
 [[ $backend == nccl ]] && export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-# c10d numbers the nodes itself (torchrun ignores --node-rank there); NODE_RANK says which
-# node hosts the rendezvous store, rather than guessing it from host names.
-is_host=false
-[[ $NODE_RANK == 0 ]] && is_host=true
-exec "$python" -m chameleon_megatron.launch --nnodes "$NNODES" --nproc-per-node "$nproc" \
-    --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-chameleon}" \
-    --rdzv-conf "is_host=$is_host" \
+if [[ ! $RDZV_ENDPOINT =~ ^(.+):([0-9]+)$ ]]; then
+    echo "$0: RDZV_ENDPOINT=$RDZV_ENDPOINT: must be HOST:PORT (of node 0)" >&2
+    exit 2
+fi
+exec "$python" -m chameleon_megatron.launch --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+    --nproc-per-node "$nproc" --master-addr "${BASH_REMATCH[1]}" --master-port "${BASH_REMATCH[2]}" \
+    --rdzv-id "${RDZV_ID:-chameleon}" \
     "${entry[@]}" --chameleon-config "$preset" --distributed-backend "$backend" "$@"

@@ -270,6 +270,9 @@ def test_launchers_refuse_bad_arguments():
         assert "usage:" in refused(script, "configs/tiny-cpu.yaml")
     assert "set NNODES, NODE_RANK and RDZV_ENDPOINT" in refused(
         "launch_multinode.sh", "1", "configs/tiny-cpu.yaml", NNODES="2")
+    assert "RDZV_ENDPOINT=host0: must be HOST:PORT" in refused(
+        "launch_multinode.sh", "1", "configs/tiny-cpu.yaml", NNODES="2", NODE_RANK="0",
+        RDZV_ENDPOINT="host0")
 
 
 # ----------------------------------------------------------- a real Megatron-LM checkout

@@ -79,9 +79,7 @@ class ChameleonAgent(LocalElasticAgent):
         except dist.DistNetworkError as exc:
             if pool.all_exited():  # the host left after the job finished
                 return self._result(pool)
-            if worker_group.group_rank == 0:  # its own store cannot be lost
-                raise
-            # node 0 (the store's host) is gone: torch's run() stops the workers on the way
+            # the store's host is gone: torch's run() stops the workers on the way
             raise StoreLost(nodes.launch_survivors(), worker_group.group_rank, str(exc)) from exc
         if not pool.all_exited() or not nodes.job_finished():
             return RunResult(state=WorkerState.HEALTHY)
