@@ -9,7 +9,8 @@ copy has finished. First uses in backward (and packs) are the anchors at which p
 prefetches start; an unpack that finds its storage still on the host copies it back
 itself and counts a blocking swap-in. When resident bytes pass the budget anyway, the
 executor waits for copies out in flight, then swaps the storage being packed too (a forced
-swap); a prefetch that would pass it is left to the unpack, which evicts to make room.
+swap), or, when that one is not swappable (below the size threshold, or saved in backward),
+evicts older resident storages; a prefetch that would pass it is left to the unpack, which evicts to make room.
 
 Entries are released when autograd drops their last handle (``entry.py``), so
 tensors packed but never unpacked (recompute) do not leak.
@@ -198,14 +199,18 @@ class SwapExecutor:
 
     def _enforce_budget(self, entry: Entry) -> None:
         """Over budget: wait for copies out in flight (the stall the plan foresaw), then
-        swap the storage just packed."""
+        swap the storage just packed, or, when it cannot go (too small, or saved in
+        backward), evict older ones."""
         while self.resident > self.budget and self._pending_out:
             self.copier.sync(self._pending_out[0].token)
             self._poll()
             self.counters.budget_waits += 1
-        if self.resident > self.budget and entry.state == RESIDENT and entry.eligible:
-            self._swap_out(entry)
-            self.counters.forced_swaps += 1
+        if self.resident > self.budget and entry.state == RESIDENT:
+            if entry.eligible:
+                self._swap_out(entry)
+                self.counters.forced_swaps += 1
+            else:
+                self.evict(self.resident - self.budget)
 
     # ---------------------------------------------------------------- plan application
     def _apply_plan(self, entry: Entry, stage: tuple, ordinal: int, code: int, nbytes: int,

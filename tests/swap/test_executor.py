@@ -79,6 +79,21 @@ def _executor(model, budget: int | None, min_bytes: int = 0) -> SwapExecutor:
     return ex
 
 
+def test_the_budget_holds_when_a_tensor_too_small_to_swap_tips_it_over():
+    x = torch.randn(1024, requires_grad=True)  # 4 KiB: swappable
+    w = torch.randn(256, requires_grad=True)  # 1 KiB: below the size threshold
+    ex = _executor(torch.nn.Linear(1, 1), budget=5000, min_bytes=2048)
+    with ex.hooks():
+        a, b = x * 2, w * 2  # activations (a scalar product saves nothing)
+        loss = a.sin().sum() + b.sin().sum()  # b's pack takes 5 KiB resident past 5000 B
+        assert ex.resident == 1024 and ex.counters.evictions == 1
+    assert ex.counters.peak_resident_saved_bytes <= 5000
+    loss.backward()
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
+    assert torch.equal(w.grad, 2 * (2 * w.detach()).cos())
+    assert ex.live_entries == 0 and ex.pool.live == 0
+
+
 def test_tensors_packed_but_never_unpacked_are_released():
     # Megatron's recompute runs bias-dropout-add under enable_grad inside a no-grad
     # forward: a graph that is built, packed, and dropped without a backward.
