@@ -60,8 +60,8 @@ class NodeWatch:
 
     def __init__(self, job: JobStore, group_rank: int, launch_nodes: int,
                  ranks: list[int], *, timeout_s: float, addr: str = "") -> None:
-        self.job = job
-        self.addr = addr
+        self._job = job
+        self._addr = addr
         """This agent's address as the other nodes reach it (published in its beat)."""
         self._me = group_rank
         self._launch_nodes = launch_nodes
@@ -91,10 +91,10 @@ class NodeWatch:
         self._finished_said = finished
         self._seq += 1
         beat = {"seq": self._seq, "ranks": self._ranks, "finished": finished, "node": node,
-                "addr": self.addr}
+                "addr": self._addr}
         try:
-            self.job.store.set(f"agent/{self._me}", json.dumps(beat))
-            self._size = self._launch_nodes + self.job.counter(_JOINED)
+            self._job.store.set(f"agent/{self._me}", json.dumps(beat))
+            self._size = self._launch_nodes + self._job.counter(_JOINED)
             return [r for g in range(self._size) if g != self._me for r in self._check(g, now)]
         except dist.DistError:
             if not finished:
@@ -110,7 +110,7 @@ class NodeWatch:
         key = f"agent/{g}"
         if g in self._lost:
             return []
-        value = self.job.store.get(key) if self.job.store.check([key]) else b""
+        value = self._job.store.get(key) if self._job.store.check([key]) else b""
         last, since = self._seen.get(g, (None, now))
         if value != last:
             self._seen[g] = (value, now)
@@ -146,10 +146,10 @@ class NodeWatch:
             if g == host or g in self._lost:
                 continue
             if g == self._me:
-                alive.append((g, self.addr))
+                alive.append((g, self._addr))
                 continue
             value = self._seen.get(g, (b"", 0.0))[0]
             beat = json.loads(value) if value else None
             if beat is not None and not beat["finished"]:
-                alive.append((g, beat.get("addr", "")))
+                alive.append((g, beat["addr"]))
         return alive
