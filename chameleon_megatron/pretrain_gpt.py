@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-
 from typing import TYPE_CHECKING
 
 from chameleon_megatron.config import ChameleonConfig, config_from_args
@@ -27,7 +26,7 @@ def build_plugins(cfg: ChameleonConfig) -> list["TrainerPlugin"]:
     """The Chameleon subsystems this run enables, in the order their hooks nest."""
     plugins: list["TrainerPlugin"] = []
     if cfg.ft.enabled:  # outermost: its step time includes the others' work
-        from chameleon_megatron.resilience.plugin import ResiliencePlugin
+        from chameleon_megatron.resilience.recovery.plugin import ResiliencePlugin
 
         plugins.append(ResiliencePlugin(cfg.ft))
     if cfg.swap.enabled:
@@ -74,7 +73,7 @@ def joining(cfg: ChameleonConfig) -> bool:
     """Whether this process was started to join a running job (a restarted worker)."""
     if not cfg.ft.enabled:
         return False
-    from chameleon_megatron.resilience.joiners import join_id_from_env
+    from chameleon_megatron.resilience.store.joiners import join_id_from_env
 
     return join_id_from_env() is not None
 

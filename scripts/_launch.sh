@@ -20,5 +20,5 @@ python=${PYTHON:-$([[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/pyth
 entry=(-m chameleon_megatron.pretrain_gpt)
 [[ -n ${CHAMELEON_ENTRY:-} ]] && entry=("$CHAMELEON_ENTRY")
 # --standalone: a local rendezvous on a free port, so parallel jobs do not collide.
-exec "$python" -m chameleon_megatron.launch --standalone --nproc-per-node "$nproc" \
+exec "$python" -m chameleon_megatron.run --standalone --nproc-per-node "$nproc" \
     "${entry[@]}" --chameleon-config "$preset" --distributed-backend "$backend" "$@"

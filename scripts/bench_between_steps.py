@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from chameleon_megatron.resilience.job_store import JobStore
-from chameleon_megatron.resilience.join_queue import JoinQueue
+from chameleon_megatron.resilience.store.job_store import JobStore
+from chameleon_megatron.resilience.store.join_queue import JoinQueue
 
 
 def check(queue: JoinQueue) -> None:

@@ -61,11 +61,11 @@ def trainer_args(a: argparse.Namespace):
 def decide(args, step_s: float) -> dict:
     """Profile calibrated to the failure-free step, and every case's plan (pure: the same
     on every rank)."""
-    from chameleon_megatron.resilience.layout import UniformLayout
-    from chameleon_megatron.resilience.planner import Planner, SearchOptions
-    from chameleon_megatron.resilience.reroute_plan import plan_reroute
-    from chameleon_megatron.resilience.restorer_plan import assign_slots, live_holdings
-    from chameleon_megatron.resilience.runtime_profile import CPU_GLOO, runtime_profile
+    from chameleon_megatron.resilience.decision.layout import UniformLayout
+    from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
+    from chameleon_megatron.resilience.decision.reroute import plan_reroute
+    from chameleon_megatron.resilience.decision.restorer import assign_slots, live_holdings
+    from chameleon_megatron.resilience.recovery.live_profile import CPU_GLOO, runtime_profile
 
     plan = UniformLayout(tp=1, pp=2, dp=2).to_plan(args.num_layers, args.global_batch_size)
     profile = runtime_profile(args, path=None, hardware=CPU_GLOO, plan=plan, step_time_s=step_s,
@@ -93,7 +93,7 @@ def worker(out: Path, a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from chameleon_megatron.megatron import groups
-    from chameleon_megatron.resilience.hetero_plan import stage_major_order
+    from chameleon_megatron.resilience.decision.placement import stage_major_order
 
     args = trainer_args(a)
     launch = int(os.environ["RANK"])
@@ -144,11 +144,11 @@ def _trainer_steps(args, rank: int):
 def _plan_steps(args, plan, reroute, me: int, world: dict, profile):
     import torch
 
-    from chameleon_megatron.resilience.hetero_step import (
+    from chameleon_megatron.resilience.execution.runtime import (
         build_runtime, microbatch_source, run_hetero_step,
     )
-    from chameleon_megatron.resilience.reroute_step import run_reroute_step
-    from chameleon_megatron.resilience.restorer_plan import allreduce_groups, allreduce_rounds
+    from chameleon_megatron.resilience.execution.rerouted import run_reroute_step
+    from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
     from chameleon_megatron.training import data
 
     rt = build_runtime(args, plan, me, sync_groups=allreduce_groups(plan, profile),
@@ -169,7 +169,7 @@ def report(out: Path, a: argparse.Namespace) -> dict:
     from chameleon_megatron.megatron.platform import CpuPlatform
 
     CpuPlatform().apply()
-    from chameleon_megatron.resilience.perf_model import plan_step
+    from chameleon_megatron.resilience.decision.perf_model import plan_step
 
     args = trainer_args(a)
     res = {n: json.loads((out / f"{n}.json").read_text())["ranks"] for n in CASES}

@@ -13,11 +13,11 @@ import statistics
 import time
 from pathlib import Path
 
-from chameleon_megatron.resilience.candidates import make_candidates
-from chameleon_megatron.resilience.layout import UniformLayout
-from chameleon_megatron.resilience.plan_cache import PlanCache
-from chameleon_megatron.resilience.planner import Planner, SearchOptions
-from chameleon_megatron.resilience.profile import load_profile
+from chameleon_megatron.resilience.decision.candidates import make_candidates
+from chameleon_megatron.resilience.decision.layout import UniformLayout
+from chameleon_megatron.resilience.decision.plan_cache import PlanCache
+from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
+from chameleon_megatron.resilience.decision.profile import load_profile
 
 PROFILES = Path(__file__).resolve().parents[1] / "configs" / "profiles"
 

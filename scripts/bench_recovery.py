@@ -45,12 +45,12 @@ def worker(out: Path, tp: int, pp: int, kind: str, pg_timeout: float, mib: float
     from chameleon_megatron.megatron import groups
     from chameleon_megatron.megatron.platform import CpuPlatform
     from chameleon_megatron.resilience.config import ResilienceConfig
-    from chameleon_megatron.resilience.detector import FailureDetector
-    from chameleon_megatron.resilience.heartbeat import Heartbeat
-    from chameleon_megatron.resilience.job_store import JobStore
-    from chameleon_megatron.resilience.regroup import agree_membership, join_world, recovery_group
-    from chameleon_megatron.resilience.restorer_plan import Transfer
-    from chameleon_megatron.resilience.transfer import migrate
+    from chameleon_megatron.resilience.recovery.detector import FailureDetector
+    from chameleon_megatron.resilience.store.heartbeat import Heartbeat
+    from chameleon_megatron.resilience.store.job_store import JobStore
+    from chameleon_megatron.resilience.recovery.regroup import agree_membership, join_world, recovery_group
+    from chameleon_megatron.resilience.decision.restorer import Transfer
+    from chameleon_megatron.resilience.recovery.transfer import migrate
 
     CpuPlatform().apply()
     me, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -122,7 +122,7 @@ def worker(out: Path, tp: int, pp: int, kind: str, pg_timeout: float, mib: float
 def launch(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        cmd = [sys.executable, "-m", "chameleon_megatron.launch", "--standalone",
+        cmd = [sys.executable, "-m", "chameleon_megatron.run", "--standalone",
                f"--nproc-per-node={args.nproc}", "--monitor-interval=0.05", __file__, "--worker",
                str(out), "--tp", str(args.tp), "--pp", str(args.pp), "--kind", args.kind,
                "--pg-timeout", str(args.pg_timeout), "--mib", str(args.mib), "--chameleon-ft"]

@@ -69,7 +69,7 @@ def median_step(recs: list[dict], first: int = 1, last: int = 10**9) -> float:
 def train(tmp: Path, name: str, nproc: int, flags: list[str], iters: int, *, ft: bool,
           timeout_s: float) -> list[dict]:
     metrics = tmp / f"{name}.jsonl"
-    launcher = "chameleon_megatron.launch" if ft else "torch.distributed.run"
+    launcher = "chameleon_megatron.run" if ft else "torch.distributed.run"
     cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}",
            "--monitor-interval=0.1", "-m", "chameleon_megatron.pretrain_gpt", *MODEL,
            "--train-iters", str(iters), *flags, "--chameleon-metrics-file", str(metrics)]

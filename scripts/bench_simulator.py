@@ -17,11 +17,11 @@ import statistics
 import time
 from pathlib import Path
 
-from chameleon_megatron.resilience.candidates import make_candidates
-from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.perf_model import plan_step
-from chameleon_megatron.resilience.planner import Planner
-from chameleon_megatron.resilience.selector import select
+from chameleon_megatron.resilience.decision.candidates import make_candidates
+from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.perf_model import plan_step
+from chameleon_megatron.resilience.decision.planner import Planner
+from chameleon_megatron.resilience.decision.selector import select
 from chameleon_megatron.sim.config import load_preset
 from chameleon_megatron.sim.simulator import setup, simulate
 

@@ -42,7 +42,7 @@ if [[ ! $RDZV_ENDPOINT =~ ^(.+):([0-9]+)$ ]]; then
     echo "$0: RDZV_ENDPOINT=$RDZV_ENDPOINT: must be HOST:PORT (of node 0)" >&2
     exit 2
 fi
-exec "$python" -m chameleon_megatron.launch --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+exec "$python" -m chameleon_megatron.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$nproc" --master-addr "${BASH_REMATCH[1]}" --master-port "${BASH_REMATCH[2]}" \
     --rdzv-id "${RDZV_ID:-chameleon}" \
     "${entry[@]}" --chameleon-config "$preset" --distributed-backend "$backend" "$@"

@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from chameleon_megatron.resilience.candidates import Candidates, make_candidates
-from chameleon_megatron.resilience.layout import Plan, UniformLayout
-from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.planner import Planner, SearchOptions
-from chameleon_megatron.resilience.profile import load_profile
-from chameleon_megatron.resilience.selector import NoFeasibleCandidate, select
+from chameleon_megatron.resilience.decision.candidates import Candidates, make_candidates
+from chameleon_megatron.resilience.decision.layout import Plan, UniformLayout
+from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
+from chameleon_megatron.resilience.decision.profile import load_profile
+from chameleon_megatron.resilience.decision.selector import NoFeasibleCandidate, select
 
 
 def parse_layout(text: str) -> UniformLayout:

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from chameleon_megatron.resilience.model_shape import SHAPE_KEYS, ModelShape
-from chameleon_megatron.resilience.profile import save_profile
-from chameleon_megatron.resilience.profile_derive import H100, Hardware, profile_from_shape
-from chameleon_megatron.resilience.profile_from_metrics import profile_from_metrics
+from chameleon_megatron.resilience.decision.metrics_profile import profile_from_metrics
+from chameleon_megatron.resilience.decision.model_shape import SHAPE_KEYS, ModelShape
+from chameleon_megatron.resilience.decision.profile import save_profile
+from chameleon_megatron.resilience.decision.shape_profile import H100, Hardware, profile_from_shape
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

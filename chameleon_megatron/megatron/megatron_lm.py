@@ -38,7 +38,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from chameleon_megatron.config import ChameleonConfig, add_chameleon_args, config_from_args, read_yaml
+from chameleon_megatron.config import (
+    ChameleonConfig,
+    add_chameleon_args,
+    config_from_args,
+    read_yaml,
+)
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.metrics import MetricsWriter
 from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from chameleon_megatron.configurable import ConfigError, check
-from chameleon_megatron.resilience.faults import parse_fault
+from chameleon_megatron.resilience.recovery.faults import parse_fault
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from chameleon_megatron.resilience.candidates import Candidate, replan_candidate
-from chameleon_megatron.resilience.layout import Plan
-from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.perf_model import (
-    hop_s, in_flight, plan_step, stage_cost, sync_s,
+from chameleon_megatron.resilience.decision.candidates import Candidate, replan_candidate
+from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.perf_model import (
+    hop_s,
+    in_flight,
+    plan_step,
+    stage_cost,
+    sync_s,
 )
-from chameleon_megatron.resilience.planner import Planner
-from chameleon_megatron.resilience.profile import Profile
-from chameleon_megatron.resilience.restorer_plan import assign_slots, live_holdings
-from chameleon_megatron.resilience.schedule import pipeline_time
-from chameleon_megatron.resilience.selector import select
+from chameleon_megatron.resilience.decision.planner import Planner
+from chameleon_megatron.resilience.decision.profile import Profile
+from chameleon_megatron.resilience.decision.restorer import assign_slots, live_holdings
+from chameleon_megatron.resilience.decision.schedule import pipeline_time
+from chameleon_megatron.resilience.decision.selector import select
 from chameleon_megatron.sim.engine import Reaction
 from chameleon_megatron.sim.traces import Event
 

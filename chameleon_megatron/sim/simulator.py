@@ -7,11 +7,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from chameleon_megatron.resilience.layout import Plan, UniformLayout
-from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.perf_model import plan_step
-from chameleon_megatron.resilience.planner import Planner, SearchOptions
-from chameleon_megatron.resilience.profile import Profile, load_profile
+from chameleon_megatron.resilience.decision.layout import Plan, UniformLayout
+from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.perf_model import plan_step
+from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
+from chameleon_megatron.resilience.decision.profile import Profile, load_profile
 from chameleon_megatron.sim.baselines import CheckpointRestart, RedundantComputation
 from chameleon_megatron.sim.config import SimConfig
 from chameleon_megatron.sim.engine import Checkpointing, Strategy, StrategyResult, replay

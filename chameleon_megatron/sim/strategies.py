@@ -16,17 +16,24 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
-from chameleon_megatron.resilience.candidates import (
-    REPLAN, REROUTE, Candidate, replan_candidate, reroute_candidate,
+from chameleon_megatron.resilience.decision.candidates import (
+    REPLAN,
+    REROUTE,
+    Candidate,
+    replan_candidate,
+    reroute_candidate,
 )
-from chameleon_megatron.resilience.layout import Plan
-from chameleon_megatron.resilience.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.perf_model import plan_step
-from chameleon_megatron.resilience.planner import Planner
-from chameleon_megatron.resilience.restorer_plan import (
-    assign_slots, live_holdings, restore_plan, transition_s,
+from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.perf_model import plan_step
+from chameleon_megatron.resilience.decision.planner import Planner
+from chameleon_megatron.resilience.decision.restorer import (
+    assign_slots,
+    live_holdings,
+    restore_plan,
+    transition_s,
 )
-from chameleon_megatron.resilience.selector import NoFeasibleCandidate, select
+from chameleon_megatron.resilience.decision.selector import NoFeasibleCandidate, select
 from chameleon_megatron.sim.engine import Reaction
 from chameleon_megatron.sim.traces import Event
 

@@ -30,7 +30,16 @@ import torch
 
 from chameleon_megatron.swap.copier import SyncCopier
 from chameleon_megatron.swap.entry import (
-    BACK, IN, OUT, RESIDENT, SWAPPED, Entry, Handle, bytes_of, rebuild, view_of,
+    BACK,
+    IN,
+    OUT,
+    RESIDENT,
+    SWAPPED,
+    Entry,
+    Handle,
+    bytes_of,
+    rebuild,
+    view_of,
 )
 from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.matching import MatchIndex

@@ -41,7 +41,12 @@ from chameleon_megatron.swap.profile import StepProfile
 from chameleon_megatron.swap.signature import StepSignature, changed_stages
 from chameleon_megatron.swap.stage import coarsen
 from chameleon_megatron.swap.stage_adjust import (
-    AdjustRule, Granularity, GranularityDecision, StageObservation, decide, observe,
+    AdjustRule,
+    Granularity,
+    GranularityDecision,
+    StageObservation,
+    decide,
+    observe,
 )
 
 logger = logging.getLogger(__name__)

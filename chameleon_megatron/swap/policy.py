@@ -17,19 +17,20 @@ that can.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from chameleon_megatron.swap.cover import (
-    cover_size, exact_cover, fractional_bound, sweep_cover,
+    cover_size,
+    exact_cover,
+    fractional_bound,
+    sweep_cover,
 )
 from chameleon_megatron.swap.profile import StepProfile
 from chameleon_megatron.swap.stall import expected_stall
 from chameleon_megatron.swap.windows import Windows, candidate_windows, coverage, resident_curve
-
 
 EXACT_NONZEROS = 50_000
 """Largest exact program (non-zeros of its constraint matrix) worth handing to the solver."""

@@ -21,7 +21,10 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from chameleon_megatron.swap.signature import (
-    StageKey, StageSignature, StageStats, StepSignature,
+    StageKey,
+    StageSignature,
+    StageStats,
+    StepSignature,
 )
 
 

@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import socket
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel

@@ -13,7 +13,6 @@ from typing import Any, ContextManager, Iterator, Literal
 
 import torch
 
-
 StepAction = Literal["redo", "stop"]
 
 

@@ -11,16 +11,25 @@ from typing import Any
 from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
-from chameleon_megatron.training import checkpoint, data, distributed, model as model_lib
+from chameleon_megatron.training import checkpoint, data, distributed
+from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
 from chameleon_megatron.training.metrics import MetricsWriter, log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
 from chameleon_megatron.training.plugin import (
-    StepAction, TrainContext, TrainerPlugin, plugins_step,
+    StepAction,
+    TrainContext,
+    TrainerPlugin,
+    plugins_step,
 )
 from chameleon_megatron.training.step import (
-    Applied, StepResult, configure_schedule, eval_step, global_loss, train_step,
+    Applied,
+    StepResult,
+    configure_schedule,
+    eval_step,
+    global_loss,
+    train_step,
 )
 from chameleon_megatron.training.validate import validate_args
 

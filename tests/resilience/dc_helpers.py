@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from chameleon_megatron.resilience.profile import LayerCost, Profile
+from chameleon_megatron.resilience.decision.profile import LayerCost, Profile
 
 
 def cost(f: float = 1.0, b: float = 2.0, param: float = 1.0, opt: float = 2.0,

@@ -21,7 +21,7 @@ from typing import Any
 
 
 def state_sums(ctx: Any) -> dict:
-    from chameleon_megatron.resilience.layer_state import ModelState, unit_parameters
+    from chameleon_megatron.resilience.model_state import ModelState, unit_parameters
 
     model = ctx.model
     view = ModelState(model, ctx.extra["optimizer"], role="sink")
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     ours, rest = parser.parse_known_args(argv)
     if "RANK" in os.environ:  # under a launcher: leave when it is gone
         sys.path.insert(0, str(Path(__file__).parent))
-        from test_rt_support import guard_worker
+        from rt_support import guard_worker
 
         guard_worker(400)
     from chameleon_megatron import pretrain_gpt

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chameleon_megatron.resilience.profile import LayerCost, Profile
+from chameleon_megatron.resilience.decision.profile import LayerCost, Profile
 
 GB = 1e9
 

@@ -7,7 +7,7 @@ import pytest
 from sim_helpers import small_profile
 
 from chameleon_megatron.cli import main
-from chameleon_megatron.resilience.profile import save_profile
+from chameleon_megatron.resilience.decision.profile import save_profile
 from chameleon_megatron.sim.config import SimConfig, load_preset
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,0 +1,1 @@
+"""The decision center (pure: plain data in, frozen plans out; no torch)."""

@@ -1,0 +1,128 @@
+"""The pipeline schedule of a rerouted step: who runs which forward and backward, in which
+order, exchanging activations and gradients with whom.
+
+Each microbatch follows a *route*, one rank per stage of its pipeline. The layout is kept;
+the microbatches of a failed stage go to the same-stage peers that the rerouting plan
+names, the forward and the backward of a microbatch on the same peer, so the failed
+pipeline's surviving stages send activations to the peer and receive gradients from it.
+
+Each rank's order of operations comes from a unit-time simulation of the whole step (list
+scheduling, pure): a rank runs a ready backward first, else its next ready forward while it
+holds fewer microbatches than 1F1B allows at its stage (depth - stage), so memory stays at
+1F1B's. A rank takes messages from each sender in the order they were sent (as NCCL needs).
+The simulation is itself an execution, so ranks that follow their orders with blocking
+receives and non-blocking sends cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence
+
+from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.reroute import ReroutePlan
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: Literal["F", "B"]
+    microbatch: int
+    """Global microbatch index of the step."""
+    recv: int | None
+    """Rank whose activation (F) or gradient (B) this op needs."""
+    send: int | None
+    """Rank this op's output goes to."""
+
+
+def routes(plan: Plan, reroute: ReroutePlan,
+           ids: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
+    """Global microbatch -> rank of each stage of its pipeline (failed stages replaced by
+    their peers, the failed pipeline's microbatches taken in order). ``ids``: the global
+    microbatches of each pipeline. Raises ValueError if a route still meets a dead rank."""
+    if plan.tp != 1:
+        raise ValueError(f"tp={plan.tp}: routes are built for tensor parallelism 1")
+    out = {g: [st.ranks[0] for st in pipe.stages]
+           for pipe, mine in zip(plan.pipelines, ids) for g in mine}
+    for r in reroute.reroutes:
+        units = plan.pipelines[r.pipeline].stage_units(r.stage)
+        mine = iter(ids[r.pipeline])
+        for peer, count in r.targets:
+            peer_pipe = plan.pipelines[peer]
+            s = next(s for s in range(peer_pipe.depth) if peer_pipe.stage_units(s) == units)
+            for _ in range(count):
+                out[next(mine)][r.stage] = peer_pipe.stages[s].ranks[0]
+    dead = set(reroute.failed_ranks)
+    for g, route in out.items():
+        if dead.intersection(route):
+            raise ValueError(f"microbatch {g} still meets dead ranks "
+                             f"{sorted(dead.intersection(route))} on its route {route}")
+    return {g: tuple(route) for g, route in out.items()}
+
+
+def schedule(route_of: Mapping[int, Sequence[int]]) -> dict[int, tuple[Op, ...]]:
+    """Every rank's operations in order (see the module docstring)."""
+    todo: dict[int, list[tuple[int, int]]] = {}  # rank -> (microbatch, stage) of its forwards
+    for g in sorted(route_of):
+        for s, rank in enumerate(route_of[g]):
+            todo.setdefault(rank, []).append((g, s))
+    # 1F1B's bound on the microbatches a stage holds, depth - stage (the least of its routes)
+    cap = {rank: min(len(route_of[g]) - s for g, s in work) for rank, work in todo.items()}
+    links: dict[tuple[int, int], deque[tuple[str, int]]] = {}
+    held: dict[int, list[int]] = {rank: [] for rank in todo}  # microbatches forwarded, not back
+    order: dict[int, list[Op]] = {rank: [] for rank in todo}
+    remaining = sum(2 * len(work) for work in todo.values())
+    while remaining:
+        chosen = {rank: _pick(rank, todo[rank], held[rank], cap[rank], route_of, links)
+                  for rank in todo}
+        if not any(chosen.values()):
+            raise RuntimeError("the rerouted schedule deadlocks (a bug: please report the routes)")
+        for rank, op in chosen.items():
+            if op is None:
+                continue
+            _apply(rank, op, todo[rank], held[rank], links)
+            order[rank].append(op)
+            remaining -= 1
+    return {rank: tuple(ops) for rank, ops in order.items()}
+
+
+def _pick(rank: int, forwards: list[tuple[int, int]], held: list[int], cap: int,
+          route_of: Mapping[int, Sequence[int]],
+          links: dict[tuple[int, int], deque[tuple[str, int]]]) -> Op | None:
+    for g in held:  # backward first, oldest first
+        route = route_of[g]
+        s = route.index(rank)
+        prev = route[s - 1] if s > 0 else None
+        if s == len(route) - 1:
+            return Op("B", g, None, prev)
+        if _head(links, route[s + 1], rank) == ("B", g):
+            return Op("B", g, route[s + 1], prev)
+    if len(held) >= cap:
+        return None
+    for g, s in forwards:
+        route = route_of[g]
+        nxt = route[s + 1] if s + 1 < len(route) else None
+        if s == 0:
+            return Op("F", g, None, nxt)
+        if _head(links, route[s - 1], rank) == ("F", g):
+            return Op("F", g, route[s - 1], nxt)
+    return None
+
+
+def _head(links: dict[tuple[int, int], deque[tuple[str, int]]], src: int,
+          dst: int) -> tuple[str, int] | None:
+    queue = links.get((src, dst))
+    return queue[0] if queue else None
+
+
+def _apply(rank: int, op: Op, forwards: list[tuple[int, int]], held: list[int],
+           links: dict[tuple[int, int], deque[tuple[str, int]]]) -> None:
+    if op.recv is not None:
+        links[(op.recv, rank)].popleft()
+    if op.kind == "F":
+        forwards[:] = [w for w in forwards if w[0] != op.microbatch]
+        held.append(op.microbatch)
+    else:
+        held.remove(op.microbatch)
+    if op.send is not None:
+        links.setdefault((rank, op.send), deque()).append((op.kind, op.microbatch))

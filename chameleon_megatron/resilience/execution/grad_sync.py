@@ -1,0 +1,166 @@
+"""Gradient synchronisation of a plan, and the global gradient norm.
+
+In a plan with pipelines of different depths (or with dead ranks) a layer's copies sit on
+different stages of different pipelines, so no single data-parallel group exists. Each state
+unit's gradients are all-reduced among exactly the live ranks that hold it, using the
+restorer's groups and its DSATUR rounds (no rank in two groups of one round, so the groups of
+a round run concurrently and every rank meets its groups in the same order). The tied
+embedding's copies (first and last stages) are summed in one more group. Then every
+gradient is divided once by the global token count: the loss of a step is the sum of
+per-token losses over the whole batch divided once, whichever rank computed each sample.
+
+The gradient norm for clipping is computed so that every rank gets the same bits: each
+unit's squared norm comes from one owner, the vector is summed over the world (one non-zero
+term per entry, so exact) and reduced in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from chameleon_megatron.resilience.decision.layout import EMBEDDING, OUTPUT, Plan, StateUnit
+from chameleon_megatron.resilience.decision.restorer import AllReduceGroup, unit_order
+from chameleon_megatron.resilience.model_state import unit_parameters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """Which live ranks all-reduce what, in which round (plan rank ids, tp = 1)."""
+
+    rounds: tuple[tuple[AllReduceGroup, ...], ...]
+    """The restorer's rounds with dead ranks removed; groups left with one rank dropped."""
+    tied: tuple[tuple[int, ...], ...]
+    """Live ranks holding a copy of the tied embedding (first and last stages), if >= 2."""
+    owners: Mapping[StateUnit, int]
+    """The live rank whose copy of each unit counts in the gradient norm."""
+
+
+def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Sequence[int]], *,
+              dead: frozenset[int] = frozenset(), tied: bool) -> SyncSpec:
+    """Check the restorer's groups and rounds against ``plan`` and drop the dead ranks.
+
+    Raises ValueError if a rank is in two groups of one round, or if the live holders of some
+    unit are not exactly the members of one group (their copies would drift apart)."""
+    holders: dict[StateUnit, set[int]] = {}
+    for rank, (_, units) in plan.holdings().items():
+        if rank not in dead:
+            for u in units:
+                holders.setdefault(u, set()).add(rank)
+    live_rounds = []
+    covered: dict[StateUnit, int] = {}
+    for k, rnd in enumerate(rounds):
+        seen: set[int] = set()
+        kept = []
+        for index in rnd:
+            g = groups[index]
+            if seen & set(g.ranks):
+                raise ValueError(f"round {k}: ranks {sorted(seen & set(g.ranks))} are in two "
+                                 "of its groups")
+            seen |= set(g.ranks)
+            members = tuple(r for r in g.ranks if r not in dead)
+            for u in g.layers:
+                if set(members) != holders.get(u, set()):
+                    raise ValueError(f"group {index}: unit {u!r} is held by live ranks "
+                                     f"{sorted(holders.get(u, ()))}, the group has {members}")
+                covered[u] = covered.get(u, 0) + 1
+            if len(members) > 1:
+                kept.append(AllReduceGroup(ranks=members, layers=g.layers, bytes=g.bytes))
+        live_rounds.append(tuple(kept))
+    for u, ranks in holders.items():
+        if len(ranks) > 1 and covered.get(u) != 1:
+            raise ValueError(f"unit {u!r} is held by live ranks {sorted(ranks)} but is in "
+                             f"{covered.get(u, 0)} all-reduce groups, not one")
+    copies = sorted(holders.get(EMBEDDING, set()) | holders.get(OUTPUT, set()))
+    return SyncSpec(
+        rounds=tuple(r for r in live_rounds if r),
+        tied=(tuple(copies),) if tied and len(copies) > 1 else (),
+        owners={u: min(ranks) for u, ranks in holders.items()},
+    )
+
+
+def reduction_device() -> torch.device:
+    """Where small global sums live: NCCL reduces device tensors only."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GradSync:
+    """One rank's part of the sync; callable as megatron's ``finalize_model_grads_func``.
+
+    ``rounds``: per round, this rank's group and its handle, or None; ``tied``: the handle
+    of the tied-embedding group, if this rank holds a copy. Global reductions use the
+    default group, which must be the plan's live ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, spec: SyncSpec, me: int,
+                 rounds: Sequence[tuple[AllReduceGroup, dist.ProcessGroup] | None],
+                 tied: dist.ProcessGroup | None) -> None:
+        self.model, self.spec, self.me = model, spec, me
+        self._rounds, self._tied_group = list(rounds), tied
+        self._units = unit_parameters([model])
+        shared = getattr(model, "share_embeddings_and_output_weights", False)
+        self._tied = (model.shared_embedding_or_output_weight()
+                      if shared and (model.pre_process or model.post_process) else None)
+        self.performed: list[tuple[int, tuple[int, ...]]] = []
+        """(round, plan ranks of the group) of each all-reduce of the last call."""
+
+    def __call__(self, model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None,
+                 **_: Any) -> None:
+        """Sum each unit's gradients over its holders, then divide by the global tokens."""
+        if num_tokens is None:
+            raise ValueError("plans need calculate_per_token_loss=True (got no token count)")
+        tokens = num_tokens.detach().to(reduction_device(), torch.float64).reshape(1)
+        dist.all_reduce(tokens)
+        self.performed = []
+        for k, mine in enumerate(self._rounds):
+            if mine is not None:
+                group, handle = mine
+                self._all_reduce(self._params_of(group.layers), handle)
+                self.performed.append((k, group.ranks))
+        if self._tied_group is not None:
+            self._all_reduce([self._tied], self._tied_group)
+        scale = 1.0 / tokens.item()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        logger.debug({"event": "grad_sync", "rank": self.me, "tokens": tokens.item(),
+                      "rounds": self.performed, "tied": self._tied_group is not None})
+
+    def _params_of(self, units: Sequence[StateUnit]) -> list[torch.nn.Parameter]:
+        """The unit's parameters in one order on every holder (the tied copy goes apart)."""
+        return [p for u in sorted(units, key=unit_order)
+                for _, p in sorted(self._units.get(u, {}).items()) if p is not self._tied]
+
+    def _all_reduce(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+        for p in params:
+            if p.grad is None:  # a holder that saw no microbatch still takes part
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+    def grad_norm(self) -> float:
+        """L2 norm of the global gradient (each unit once, the tied weight once)."""
+        order = sorted(self.spec.owners, key=unit_order)
+        squares = torch.zeros(len(order), dtype=torch.float64, device=reduction_device())
+        for k, u in enumerate(order):
+            if self.spec.owners[u] == self.me:
+                params = self._params_of([u])
+                if u == EMBEDDING and self._tied is not None and self.model.pre_process:
+                    params.append(self._tied)
+                squares[k] = sum(float(p.grad.double().square().sum()) for p in params
+                                 if p.grad is not None)
+        dist.all_reduce(squares)
+        return math.sqrt(float(squares.sum()))

@@ -1,0 +1,91 @@
+"""Process groups of a plan (heterogeneous pipelines, or a kept layout with dead ranks).
+
+Plans name ranks by their own ids (launch ranks, say); ``world`` maps each live one to its
+rank in the current torch.distributed world, which must consist of exactly those ranks.
+Every rank creates every group, in one order derived from the plan alone
+(``megatron.groups.new_groups``):
+
+1. one group per live rank alone (megatron's TP and CP groups at tp = 1);
+2. with ``pipelines``: one group per pipeline, for megatron's 1F1B schedule;
+3. the gradient all-reduce groups, round by round (``hetero_sync.SyncSpec``);
+4. the groups of the tied embedding's copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch.distributed as dist
+
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.placement import Slot, slot_of
+from chameleon_megatron.resilience.decision.restorer import AllReduceGroup
+from chameleon_megatron.resilience.execution.grad_sync import SyncSpec
+
+
+@dataclass(frozen=True)
+class PlanGroups:
+    """This rank's handles."""
+
+    slot: Slot
+    solo: dist.ProcessGroup
+    """This rank alone."""
+    pipeline: dist.ProcessGroup | None
+    """This rank's pipeline, stage order = group rank order (None without ``pipelines``)."""
+    rounds: tuple[tuple[AllReduceGroup, dist.ProcessGroup] | None, ...]
+    """Per sync round, this rank's group in it (ranks in plan ids) and its handle."""
+    tied: dist.ProcessGroup | None
+    world: Mapping[int, int]
+
+
+def build_plan_groups(plan: Plan, me: int, spec: SyncSpec, *, world: Mapping[int, int],
+                      pipelines: bool, timeout_s: float) -> PlanGroups:
+    """Create every group of the plan (collective over the world); ``me`` is a plan rank."""
+    _check_world(plan, me, world, pipelines)
+    live = sorted(world, key=world.__getitem__)
+    lists: list[tuple[int, ...]] = [(world[r],) for r in live]
+    if pipelines:
+        lists += [tuple(world[st.ranks[0]] for st in p.stages) for p in plan.pipelines]
+    sync = [g for rnd in spec.rounds for g in rnd]
+    lists += [tuple(world[r] for r in g.ranks) for g in sync]
+    lists += [tuple(world[r] for r in ranks) for ranks in spec.tied]
+    handles = groups.new_groups(lists, timeout_s=timeout_s)
+    slot = slot_of(plan, me)
+    n_pipes = len(plan.pipelines) if pipelines else 0
+    sync_handles = iter(handles[len(live) + n_pipes:])
+    rounds = []
+    for rnd in spec.rounds:
+        mine = None
+        for g in rnd:
+            handle = next(sync_handles)
+            if handle is not None:
+                mine = (g, handle)
+        rounds.append(mine)
+    tied = [h for h in sync_handles if h is not None]
+    return PlanGroups(
+        slot=slot, solo=handles[live.index(me)],
+        pipeline=handles[len(live) + slot.pipeline] if pipelines else None,
+        rounds=tuple(rounds), tied=tied[0] if tied else None, world=dict(world),
+    )
+
+
+def _check_world(plan: Plan, me: int, world: Mapping[int, int], pipelines: bool) -> None:
+    size = dist.get_world_size()
+    if sorted(world.values()) != list(range(size)):
+        raise ValueError(f"world ranks {sorted(world.values())}: the plan's live ranks must be "
+                         f"exactly the world's {size} ranks")
+    unknown = set(world) - set(plan.ranks())
+    if unknown:
+        raise ValueError(f"ranks {sorted(unknown)} are not in the plan {plan.describe()}")
+    if world.get(me) != dist.get_rank():
+        raise ValueError(f"plan rank {me} is world rank {world.get(me)}, "
+                         f"but this process is world rank {dist.get_rank()}")
+    if not pipelines:
+        return
+    for j, pipe in enumerate(plan.pipelines):
+        ranks = [world.get(st.ranks[0]) for st in pipe.stages]
+        if None in ranks or ranks != sorted(ranks):
+            raise ValueError(f"pipeline {j}: world ranks {ranks} must all be live and ascend "
+                             "with the stage (order the world by stage_major_order)")

@@ -1,0 +1,176 @@
+"""Training a plan whose pipelines have different depths, layer splits and microbatch shares.
+
+``build_runtime`` gives each rank its stage (``hetero_model``), its groups
+(``hetero_groups``), the per-layer gradient sync (``hetero_sync``) and the optimizer
+(``hetero_optim``). ``run_hetero_step`` runs megatron-core's 1F1B schedule in each pipeline
+over the pipeline's own group, with the sync as the schedule's ``finalize_model_grads_func``,
+then the optimizer step. The global batch is the failure-free one: global microbatch g holds
+samples ``consumed + g * micro ...``, each pipeline runs its share of them
+(``microbatch_ids``), and the loss is the sum of per-token losses divided once by the global
+token count, so the step computes what the failure-free step computes.
+
+The same runtime, built with a rerouting plan (the kept layout and its dead ranks), serves
+rerouting (``reroute_step``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.placement import (
+    Slot,
+    check_supported,
+    microbatch_ids,
+    slot_of,
+)
+from chameleon_megatron.resilience.decision.reroute import ReroutePlan
+from chameleon_megatron.resilience.decision.restorer import AllReduceGroup
+from chameleon_megatron.resilience.execution.grad_sync import GradSync, sync_spec
+from chameleon_megatron.resilience.execution.optimizer import PlanOptimizer
+from chameleon_megatron.resilience.execution.plan_groups import PlanGroups, build_plan_groups
+from chameleon_megatron.resilience.execution.stage_model import build_stage_model, seed_stage
+from chameleon_megatron.training import data
+from chameleon_megatron.training.step import Applied, StepResult, loss_func, share_loss
+
+Batches = Callable[[int], dict]
+"""Global microbatch index of the step -> its batch (tokens, labels, loss_mask, position_ids)."""
+
+
+def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.device) -> Batches:
+    """The batches of the step that starts after ``consumed`` samples (training.data's order)."""
+    def batch(g: int) -> dict:
+        return next(data.step_iterator(dataset, consumed + g * micro, micro=micro, dp=1,
+                                       dp_rank=0, num_microbatches=1, device=device))
+    return batch
+
+
+def forward_step(data_iterator: Iterator[dict], model: GPTModel):
+    """The trainer's forward step, with the cross entropy computed here: megatron's reads the
+    global tensor-parallel group, which a plan does not set up."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None)
+    return output, partial(_loss, batch["labels"], batch["loss_mask"])
+
+
+def _loss(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
+    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return loss_func(loss_mask, losses.view_as(labels))
+
+
+@dataclass
+class PlanRuntime:
+    """What one rank needs to train its slot of a plan."""
+
+    args: argparse.Namespace
+    plan: Plan
+    me: int
+    """This rank's id in the plan."""
+    reroute: ReroutePlan | None
+    """The rerouting this runtime executes (None: the plan's pipelines run whole)."""
+    model: GPTModel
+    optimizer: PlanOptimizer
+    sync: GradSync
+    groups: PlanGroups
+    p2p: P2PCommunicator | None
+    """megatron's communicator over this rank's pipeline (None: depth 1 or rerouting)."""
+
+    @property
+    def slot(self) -> Slot:
+        return self.groups.slot
+
+    def schedule_groups(self) -> ProcessGroupCollection:
+        return ProcessGroupCollection(tp=self.groups.solo, cp=self.groups.solo,
+                                      pp=self.groups.pipeline, embd=None, pos_embd=None,
+                                      dp_cp=None)
+
+
+def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
+                  sync_groups: Sequence[AllReduceGroup], sync_rounds: Sequence[Sequence[int]],
+                  world: Mapping[int, int], reroute: ReroutePlan | None = None,
+                  timeout_s: float) -> PlanRuntime:
+    """Groups, stage model, sync, optimizer. The stage is seeded as the trainer seeds its
+    stages and gets megatron's random init: load the real state (and RNG streams) next.
+
+    ``sync_groups``/``sync_rounds``: the restorer's all-reduce groups and DSATUR rounds for
+    ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer_plan.allreduce_groups`` and
+    ``allreduce_rounds``); ``world``: plan rank -> world rank of every live rank (for a
+    heterogeneous plan in ``stage_major_order``); ``reroute``: the rerouting plan of ``plan``
+    when its dead ranks' work is rerouted. Collective over the world."""
+    check_supported(args, plan)
+    if reroute is not None and reroute.plan != plan:
+        raise ValueError("the rerouting plan is for another plan than the one given")
+    dead = frozenset(reroute.failed_ranks if reroute else ())
+    spec = sync_spec(plan, sync_groups, sync_rounds, dead=dead,
+                     tied=not args.untie_embeddings_and_output_weights)
+    seed_stage(args.seed, slot_of(plan, me))
+    groups = build_plan_groups(plan, me, spec, world=world, pipelines=reroute is None,
+                               timeout_s=timeout_s)
+    model = build_stage_model(args, plan, groups.slot, groups.solo)
+    sync = GradSync(model, spec, me, groups.rounds, groups.tied)
+    optimizer = PlanOptimizer(model, args, sync.grad_norm)
+    model.config.finalize_model_grads_func = sync
+    model.config.grad_scale_func = None
+    depth = plan.pipelines[groups.slot.pipeline].depth
+    p2p = P2PCommunicator(groups.pipeline, model.config) if reroute is None and depth > 1 else None
+    return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model,
+                       optimizer=optimizer, sync=sync, groups=groups, p2p=p2p)
+
+
+def run_hetero_step(rt: PlanRuntime, batches: Batches) -> StepResult:
+    """One training step of ``rt.plan`` with its loss (see ``hetero_train``)."""
+    return step_result(hetero_train(rt, batches))
+
+
+def hetero_train(rt: PlanRuntime, batches: Batches) -> Applied:
+    """This rank's pipeline runs megatron's 1F1B over its microbatches, gradients are synced
+    per layer, the optimizer steps. The LR scheduler is the caller's (as in the trainer)."""
+    if rt.reroute is not None:
+        raise ValueError("this runtime reroutes: train it with reroute_step.reroute_train")
+    rt.optimizer.zero_grad()
+    return apply_update(rt, _pipeline_schedule(rt, batches, forward_only=False))
+
+
+@torch.no_grad()
+def hetero_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
+    """Forward only over the plan's microbatches: global loss per token and token count."""
+    rt.model.eval()
+    try:
+        reports = _pipeline_schedule(rt, batches, forward_only=True)
+    finally:
+        rt.model.train()
+    return share_loss(reports)
+
+
+def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool) -> list[dict]:
+    ids = microbatch_ids(rt.plan)[rt.slot.pipeline]
+    depth = rt.plan.pipelines[rt.slot.pipeline].depth
+    schedule = get_forward_backward_func(pp_size=depth, vp_size=None)
+    return schedule(
+        forward_step_func=forward_step, data_iterator=(batches(g) for g in ids),
+        model=rt.model, num_microbatches=len(ids), seq_length=rt.args.seq_length,
+        micro_batch_size=rt.args.micro_batch_size, forward_only=forward_only,
+        p2p_communicator=rt.p2p, pg_collection=rt.schedule_groups(),
+    )
+
+
+def apply_update(rt: PlanRuntime, reports: list[dict]) -> Applied:
+    """The optimizer step (gradients already synced)."""
+    applied, norm, _ = rt.optimizer.step()
+    return Applied(reports=reports, grad_norm=norm, skipped=not applied)
+
+
+def step_result(applied: Applied) -> StepResult:
+    loss, tokens = share_loss(applied.reports)
+    return StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
+                      skipped=applied.skipped)

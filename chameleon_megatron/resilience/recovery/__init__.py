@@ -1,0 +1,1 @@
+"""In-job recovery: detection, the controller, regrouping, state transfer, the plugin."""

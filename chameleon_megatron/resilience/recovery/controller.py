@@ -1,0 +1,494 @@
+"""The recovery controller: what a surviving rank does between a failed step and its redo,
+and between two steps when the layout should change without a failure.
+
+    abandon the step -> wait for the announcement -> survivors meet under a new generation
+    -> agree on the newest completed step -> the leader asks the decision center
+    -> recovery group; active members: new world, then megatron's groups and a fresh
+       model/optimizer (a uniform layout), or a plan's groups and runtime (heterogeneous
+       pipelines, or the kept layout rerouting around dead ranks)
+    -> state moves from surviving replicas (old state kept until every transfer is
+       confirmed; rerouting copies in place) -> LR schedule, data position, RNG -> "redo"
+
+Between steps (``between_steps``) every active rank learns, in one small all-reduce, whether
+new members wait to join (restarted workers) or the decision center, recalibrated on the
+measured step times, now prefers a re-plan to the rerouting in use; then they all enter a
+new generation at the same step, as after a failure but with nothing to redo.
+
+Survivors without a slot wait as spares and join the next generation (or stop at the end of
+the job). When some state has no surviving copy, the new layout loads the last checkpoint
+instead. A failure during any of this fails the attempt on every member; they retry under the
+next generation from the state they held at the failure. The recovery's side effects (groups,
+rebuild, transfers) happen here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.decision.center import RecoveryDecision, decide, world_order
+from chameleon_megatron.resilience.decision.feedback import Feedback
+from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.placement import plan_refusal
+from chameleon_megatron.resilience.decision.reroute import ReroutePlan
+from chameleon_megatron.resilience.execution.engine import PlanEngine
+from chameleon_megatron.resilience.execution.grad_sync import reduction_device
+from chameleon_megatron.resilience.execution.runtime import build_runtime
+from chameleon_megatron.resilience.model_state import ModelState
+from chameleon_megatron.resilience.recovery import run_state
+from chameleon_megatron.resilience.recovery.detector import (
+    FailureDetector,
+    NcclAbortWatcher,
+    Timeouts,
+    is_communication_error,
+)
+from chameleon_megatron.resilience.recovery.faults import FaultInjector
+from chameleon_megatron.resilience.recovery.live_profile import hardware_for, runtime_profile
+from chameleon_megatron.resilience.recovery.record import PhaseClock, recovery_record, summary
+from chameleon_megatron.resilience.recovery.regroup import (
+    DeclaredFailed,
+    Membership,
+    RegroupError,
+    agree_membership,
+    join_world,
+    recovery_group,
+    wait_as_spare,
+)
+from chameleon_megatron.resilience.recovery.run_state import Agreed, RunState
+from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
+from chameleon_megatron.resilience.store.announce import failure_count, read_failures
+from chameleon_megatron.resilience.store.job_store import JobStore
+from chameleon_megatron.resilience.store.join_queue import JoinQueue
+from chameleon_megatron.training.plugin import StepAction
+from chameleon_megatron.training.rng import rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+class RecoveryFailed(RuntimeError):
+    """The job cannot continue in memory or from a checkpoint (said on every member)."""
+
+
+class _NoState:
+    """The state view of a member holding no model (a spare)."""
+
+    def tensors(self, unit: Any, kind: str) -> dict[str, torch.Tensor]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a member brings into a recovery: its run state and its old model state, which
+    stays alive (and unchanged) until the recovery has completed."""
+
+    run: RunState
+    view: Any
+    keep: tuple = ()
+
+    @classmethod
+    def of(cls, trainer: Any, rng: dict[str, Any]) -> Held:
+        run = RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
+                       scheduler=trainer.scheduler.state_dict(), rng=rng)
+        return cls(run, ModelState(trainer.model, trainer.optimizer, role="source"),
+                   (trainer.model, trainer.optimizer))
+
+    @classmethod
+    def nothing(cls) -> Held:
+        return cls(RunState(iteration=-1, consumed_samples=0), _NoState())
+
+
+class RecoveryController:
+    """One rank's recoveries over a job: its generation, the members and the layout."""
+
+    def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
+                 ft: ResilienceConfig, me: int, plan: Plan | None, backend: str) -> None:
+        """``plan``: the layout launched, over launch ranks (None: this process joins a
+        running job and learns the layout when admitted)."""
+        self.job = job
+        self.detector = detector
+        self.injector = injector
+        self.ft = ft
+        self.me = me
+        self.backend = backend
+        self.plan = plan
+        """The plan trained now (rerouting: the kept plan, dead ranks included)."""
+        self.reroute: ReroutePlan | None = None
+        self.active: tuple[int, ...] = world_order(plan)[1] if plan is not None else ()
+        """Launch ranks of the current world, in world-rank order."""
+        self.members = self.active
+        """Every survivor of the last generation (spares included)."""
+        self.joiners = JoinQueue(job)
+        self.feedback = Feedback(warmup=1, window=ft.feedback_steps)
+        self._feedback_record: dict[str, Any] | None = None
+        self._cause, self._invited = "failure", ()
+        """Why the recovery in progress happens, and whom it admits."""
+        self._feedback_on = False
+        """Whether a recovery's layout is being measured against its estimate."""
+        self.generation = 0
+        self.known_failed: frozenset[int] = frozenset()
+        self.started_at = time.time()
+        self.estimated_step_s: float | None = None
+        self.last_regroup_s: float | None = None
+        self.watcher = NcclAbortWatcher(job).start() if backend == "nccl" else None
+        self._step_start: tuple[int, dict[str, Any]] | None = None
+        """(iteration, RNG state) at the start of the step in progress."""
+
+    def step_started(self, iteration: int) -> None:
+        """Remember the RNG state a redo of this step must start from."""
+        self._step_start = (iteration, rng_state())
+
+    def rng_for_redo(self, applied: int) -> dict[str, Any]:
+        """The RNG state step ``applied + 1`` must start from: the one saved when the failed
+        step started, unless that step was applied (then: the current one)."""
+        if self._step_start is not None and self._step_start[0] == applied + 1:
+            return self._step_start[1]
+        return rng_state()
+
+    def _keepalive(self) -> None:
+        self.detector.hold(self.ft.startup_timeout_s)
+
+    # ----------------------------------------------------------------------- entry
+    def handle(self, exc: BaseException, trainer: Any) -> StepAction | None:
+        """A step raised ``exc``: recover and say what the trainer does next (None: this
+        rank's own error, it must die and be announced)."""
+        if not is_communication_error(exc):
+            logger.error("local error in the step (%s: %s): leaving, to be announced failed",
+                         type(exc).__name__, exc)
+            return None
+        try:
+            return self._handle(exc, trainer)
+        except dist.DistNetworkError as lost:  # the store's host (node 0's agent) is gone
+            path = trainer.args.save or trainer.args.load
+            message = (f"the job store is lost ({lost}): in-memory recovery is impossible; "
+                       f"restart the job with --load {path} to resume from its last checkpoint")
+            logger.error(message)
+            trainer.emit({"event": "recovery", "generation": self.generation,
+                          "fallback": "restart", "error": message})
+            raise RecoveryFailed(message) from lost
+
+    def _handle(self, exc: BaseException, trainer: Any) -> StepAction | None:
+        abandoned = time.time()
+        timeouts = self.detector.timeouts
+        if not self.detector.wait_for_failures(timeouts.rendezvous_s):
+            logger.error("communication error but no failure announced within %.1f s: "
+                         "leaving (%s)", timeouts.rendezvous_s, exc)
+            return None
+        # Leave the old world now: peers still blocked on this rank in the abandoned step
+        # see their connections close instead of waiting out the groups' creation timeout.
+        self._keepalive()
+        groups.destroy()
+        held = Held.of(trainer, self.rng_for_redo(trainer.iteration))
+        self._cause, self._invited = "failure", ()
+        return self._serve(trainer, held, abandoned, timeouts)
+
+    def _serve(self, trainer: Any, held: Held, started: float,
+               timeouts: Timeouts) -> StepAction:
+        """Recover into the next layout; a spare waits for a later generation (or the end)."""
+        while True:
+            if self._recover(trainer, held, timeouts, started):
+                return "redo"
+            if wait_as_spare(self.job, self.generation, on_wait=self.detector.beat) == "done":
+                # A spare holds no part of the model: it must not join the final checkpoint.
+                trainer.args = copy.copy(trainer.args)
+                trainer.args.save = None
+                return "stop"
+            held, started, timeouts = Held.nothing(), time.time(), self.detector.timeouts
+
+    # ----------------------------------------------------------------------- no failure
+    def step_done(self, seconds: float) -> None:
+        """A training step of the current layout took ``seconds`` (for estimator feedback)."""
+        if self._feedback_on:
+            record = self.feedback.step(seconds)
+            if record is not None:
+                self._feedback_record = record
+
+    def between_steps(self, trainer: Any) -> StepAction | None:
+        """Admit waiting joiners, or leave rerouting when a re-plan now scores better: all
+        active ranks agree (one all-reduce) and change layout together."""
+        record, self._feedback_record = self._feedback_record, None
+        if record is not None:
+            trainer.emit(record)
+        replan = record is not None and self.reroute is not None and trainer.env.rank == 0 \
+            and self._replan_now_wins(trainer)
+        flags = torch.tensor([self.joiners.waiting(), int(replan)], dtype=torch.int64,
+                             device=reduction_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        waiting, replan = int(flags[0]), bool(flags[1])
+        invited = self.joiners.take(waiting)
+        if not invited and not replan:
+            return None
+        cause = "join" if invited else "replan"
+        logger.info({"event": "transition", "cause": cause, "invited": list(invited),
+                     "iteration": trainer.iteration})
+        held = Held.of(trainer, rng_state())
+        self._invite(invited)
+        self._cause = cause
+        action = self._serve(trainer, held, time.time(), self.detector.timeouts)
+        return "stop" if action == "stop" else None
+
+    def _replan_now_wins(self, trainer: Any) -> bool:
+        """The decision center, with the step times measured since the rerouting, for the
+        same survivors: does it now choose the re-plan?"""
+        members = [r for r in self.members if r not in self.reroute.failed_ranks]
+        agreed = Agreed(iteration=trainer.iteration, consumed_samples=0, scheduler={},
+                        fresh=tuple(members), stale=())
+        data = self._decide(trainer, Membership(self.generation, tuple(members), frozenset()),
+                            agreed)
+        return data.get("mode") not in (None, "reroute")
+
+    def _invite(self, invited: tuple[int, ...]) -> None:
+        """Tell the next generation to wait for ``invited`` too, and them which it is."""
+        scope = self.job.scoped(f"gen/{self.generation + 1}")
+        scope.set("expected", json.dumps(sorted(set(self.members) | set(invited))))
+        for rank in invited:
+            self.joiners.admit(rank, self.generation + 1)
+        self._invited = invited
+
+    def join(self, trainer: Any) -> StepAction:
+        """This process joins the running job: wait to be invited, then recover into the
+        generation that admits it (holding nothing); "stop" when the job ends first."""
+        generation = self.joiners.wait_for_invitation(self.me, on_wait=self.detector.beat)
+        if generation is None:
+            return "stop"
+        self.generation = generation - 1
+        self.members = (self.me,)  # the generation's "expected" names the others
+        self._cause, self._invited = "join", (self.me,)
+        return self._serve(trainer, Held.nothing(), time.time(), self.detector.timeouts)
+
+    def metrics(self) -> dict[str, Any]:
+        return {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
+
+    def close(self, *, finished: bool) -> None:
+        # Tearing down can take a group timeout (gloo joins threads still blocked on a dead
+        # peer from an abandoned step): a rank leaving normally must not be killed for it.
+        self.detector.hold(self.ft.startup_timeout_s)
+        if finished:
+            self.job.mark_done()
+        if self.watcher is not None:
+            self.watcher.stop()
+
+    # ----------------------------------------------------------------------- attempts
+    def _recover(self, trainer: Any, held: Held, timeouts: Timeouts, abandoned: float) -> bool:
+        """Recover under successive generations until one succeeds; True when this rank is
+        active in the new layout, False when it is a spare."""
+        clock: PhaseClock | None = None
+        while True:
+            self.generation += 1
+            before = failure_count(self.job)
+            try:
+                membership = agree_membership(self.job, self.generation, self.me, self.members,
+                                              timeout_s=timeouts.rendezvous_s,
+                                              on_wait=self._keepalive)
+                if clock is None:
+                    clock = PhaseClock(self._failed_at(membership, abandoned))
+                    clock.mark("detect", abandoned)
+                self.members = membership.members
+                return self._attempt(trainer, held, timeouts, membership, clock)
+            except (DeclaredFailed, RecoveryFailed):
+                raise
+            except RuntimeError as exc:
+                retry = isinstance(exc, (RegroupError, MigrationError)) or \
+                    is_communication_error(exc)
+                if not retry or not self._new_failure_since(before, timeouts.rendezvous_s):
+                    raise
+                logger.warning("recovery under generation %d failed (%s): retrying with the "
+                               "state held at the failure", self.generation, exc)
+
+    def _failed_at(self, membership: Membership, abandoned: float) -> float:
+        new = membership.failed - self.known_failed
+        times = [f.failed_at for f in read_failures(self.job) if f.rank in new]
+        return min(times, default=abandoned)
+
+    def _new_failure_since(self, count: int, timeout_s: float) -> bool:
+        """Whether a failure beyond the first ``count`` is (or gets) announced: an attempt
+        that failed without one has no reason to succeed when retried."""
+        deadline = time.monotonic() + timeout_s
+        while failure_count(self.job) <= count:
+            if time.monotonic() > deadline:
+                return False
+            self._keepalive()
+            time.sleep(0.05)
+        return True
+
+    def _attempt(self, trainer: Any, held: Held, timeouts: Timeouts, membership: Membership,
+                 clock: PhaseClock) -> bool:
+        scope = self.job.scoped(f"gen/{membership.generation}")
+        run_state.publish(scope, self.me, held.run)
+        states = run_state.read_all(scope, membership.members, timeouts.rendezvous_s)
+        agreed = _agree(states)
+        decision = self._decision(trainer, scope, membership, agreed, timeouts)
+        clock.mark("decide")
+        self._keepalive()
+        group = recovery_group(self.job, membership, self.me, timeout_s=timeouts.rendezvous_s)
+        active = self.me in decision.active
+        if active:
+            self._rebuild(trainer, membership, decision, timeouts)
+        else:
+            groups.destroy()
+        clock.mark("regroup")
+        self.injector.check(agreed.iteration + 1, "recovery")
+        moved = 0
+        if decision.fallback is not None:
+            if active:
+                self._load_checkpoint(trainer)
+        else:
+            sink = (ModelState(trainer.model, trainer.optimizer, role="sink") if active
+                    else _NoState())
+            report = migrate(group, membership.members, self.me, decision.transfers,
+                             old=held.view, new=sink, timeout_s=timeouts.rendezvous_s,
+                             store=self.job.scoped(f"gen/{membership.generation}/migrate"))
+            moved = _group_sum(group, report.sent_bytes)
+            if active:
+                _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
+        clock.mark("migrate")
+        self._finish(trainer, membership, decision, clock, moved, active)
+        return active
+
+    # ----------------------------------------------------------------------- the steps
+    def _decision(self, trainer: Any, scope: Any, membership: Membership, agreed: Agreed,
+                  timeouts: Timeouts) -> RecoveryDecision:
+        """The leader (the lowest fresh member: it trained the current layout up to now and
+        measured its step time) decides for everyone and publishes the decision."""
+        if self.me == (agreed.fresh or membership.members)[0]:
+            scope.set("decision", json.dumps(self._decide(trainer, membership, agreed)))
+        scope.wait(["decision"], datetime.timedelta(seconds=timeouts.rendezvous_s))
+        data = json.loads(scope.get("decision"))
+        if "error" in data:
+            raise RecoveryFailed(f"generation {membership.generation}: {data['error']}")
+        return RecoveryDecision.from_dict(data)
+
+    def _decide(self, trainer: Any, membership: Membership, agreed: Agreed) -> dict[str, Any]:
+        args = trainer.args
+        try:
+            profile = runtime_profile(args, path=self.ft.profile,
+                                      hardware=hardware_for(trainer.device), plan=self.plan,
+                                      reroute=self.reroute,
+                                      step_time_s=self.detector.typical_step_time,
+                                      regroup_s=self.last_regroup_s,
+                                      history=self.feedback.observations())
+            decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
+                              profile=profile, d_s=self._expected_time_to_failure(),
+                              strategy=self.ft.strategy,
+                              plans=plan_refusal(args, self.plan))
+        except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
+            logger.error("no recovery plan: %s", exc)
+            return {"error": str(exc)}
+        return decision.to_dict()
+
+    def _expected_time_to_failure(self) -> float:
+        """D of Eq. 8 from the prior MTBF and this job's failures (clock skew clamped)."""
+        now = time.time()
+        times = [min(max(f.failed_at, self.started_at), now) for f in read_failures(self.job)]
+        return MtbfEstimator(prior_s=self.ft.mtbf_prior_s).expected_s(times, now, self.started_at)
+
+    def _rebuild(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
+                 timeouts: Timeouts) -> None:
+        rank, size = decision.active.index(self.me), len(decision.active)
+        join_world(self.job, membership, rank, size, backend=self.backend,
+                   timeout_s=timeouts.rendezvous_s)
+        if decision.mode == "megatron":
+            lay = decision.layout
+            groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
+            self._keepalive()
+            trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size)
+            return
+        runtime = build_runtime(
+            trainer.args, decision.plan, self.me, sync_groups=decision.sync_groups,
+            sync_rounds=decision.sync_rounds,
+            world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
+            timeout_s=timeouts.rendezvous_s)
+        self._keepalive()
+        trainer.use_engine(PlanEngine(runtime, trainer.datasets.train, trainer.device),
+                           rank=rank, world_size=size)
+
+    def _load_checkpoint(self, trainer: Any) -> None:
+        path = trainer.args.save or trainer.args.load
+        if not path or not trainer.load(path):
+            raise RecoveryFailed(f"some state has no surviving copy and there is no checkpoint "
+                                 f"to fall back to (--save/--load: {path!r})")
+        if trainer.env.rank == 0:
+            logger.warning("some state has no surviving copy: resumed from the checkpoint of "
+                           "iteration %d under %s", trainer.iteration, path)
+
+    def _finish(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
+                clock: PhaseClock, moved: int, active: bool) -> None:
+        new = membership.failed - self.known_failed
+        failures = [f for f in read_failures(self.job) if f.rank in new]
+        self.known_failed = membership.failed
+        self.plan, self.active, self.reroute = decision.plan, decision.active, decision.reroute
+        self.estimated_step_s = decision.estimated_step_s
+        self.detector.new_layout()
+        if self.watcher is not None:
+            self.watcher.rearm()
+        phases = clock.phases()
+        self.last_regroup_s = phases["regroup"]
+        if decision.estimated_step_s:
+            self.feedback.start(f"generation {membership.generation}", decision.plan,
+                                decision.estimated_step_s, decision.reroute)
+            self._feedback_on = True
+        if not active:
+            logger.info("rank %d waits as a spare (generation %d)", self.me, self.generation)
+            return
+        groups.set_timeouts(self.detector.timeouts.pg_s)
+        record = recovery_record(
+            generation=membership.generation, failures=failures, decision=dict(decision.record),
+            phases=phases, layout_after=_layout_after(decision), spares=decision.spares,
+            redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
+            fallback=decision.fallback, cause=self._cause,
+            joined=set(self._invited) & set(membership.members))
+        trainer.emit(record)
+        if trainer.env.rank == 0:
+            logger.info(summary(record))
+
+
+def _layout_after(decision: RecoveryDecision) -> dict[str, Any]:
+    plan = decision.plan
+    out: dict[str, Any] = {"mode": decision.mode, "ranks": list(decision.active),
+                           "plan": plan.describe()}
+    if decision.mode == "megatron":
+        lay = decision.layout
+        out.update(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    else:
+        out["pipelines"] = [{"stages": [list(st.ranks) for st in p.stages],
+                             "layers": [len(st.layers) for st in p.stages],
+                             "microbatches": p.microbatches} for p in plan.pipelines]
+    if decision.reroute is not None:
+        out["rerouted"] = list(decision.reroute.failed_ranks)
+    return out
+
+
+def _agree(states: dict[int, RunState]) -> Agreed:
+    """Where training resumes; when only spares survived, nobody holds state (every unit
+    is lost: the decision falls back to the checkpoint)."""
+    if max(s.iteration for s in states.values()) >= 0:
+        return run_state.agree(states)
+    return Agreed(iteration=-1, consumed_samples=0, scheduler={}, fresh=(),
+                  stale=tuple(sorted(states)))
+
+
+def _resume_at(trainer: Any, agreed: Agreed, states: dict[int, RunState],
+               donor: int | None) -> None:
+    """The run state of the newest completed step: position, LR schedule, RNG streams."""
+    trainer.iteration = agreed.iteration
+    trainer.consumed_samples = agreed.consumed_samples
+    trainer.scheduler.load_state_dict(agreed.scheduler)  # a fresh schedule: adds its steps
+    if donor is not None:
+        set_rng_state(states[donor].rng)
+
+
+def _group_sum(group: Any, value: int) -> int:
+    total = torch.tensor([value], dtype=torch.int64)
+    group.allreduce([total]).wait()
+    return int(total.item())
+

@@ -1,0 +1,203 @@
+"""Failure detection on a worker: timeouts from the measured step time, heartbeats, the
+announcements of the agents, and telling a peer's failure from a local error.
+
+How a survivor learns of a failure: a collective or p2p op with the dead rank raises within
+~0.05 s (gloo: connection closed); one blocked on a live peer raises at the process-group
+timeout, so that timeout is derived from the step time instead of megatron's 30 minutes. On
+NCCL a watcher thread aborts the communicators when a failure is announced, which makes a
+blocked collective return at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.distributed as dist
+
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.store.announce import FailureRecord, failure_count, read_failures
+from chameleon_megatron.resilience.store.heartbeat import Heartbeat
+from chameleon_megatron.resilience.store.job_store import JobStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long to wait, in seconds, before calling a rank dead."""
+
+    pg_s: float
+    """Collective/p2p timeout of every process group."""
+    heartbeat_s: float
+    """Silence after which the agent kills a rank."""
+    rendezvous_s: float
+    """How long survivors wait for each other in a recovery rendezvous."""
+
+
+def derive_timeouts(step_time_s: float | None, ft: ResilienceConfig) -> Timeouts:
+    """Timeouts for a measured step time (None: not measured yet, use the start-up timeout).
+
+    A healthy rank beats once per step, and one step can include a collective blocked for a
+    whole group timeout on a peer that died: so heartbeat = 2 x group timeout (the group
+    timeout is at least one step). Survivors meet within a group timeout of a failure, and a
+    hung rank is declared after a heartbeat timeout: the rendezvous waits for both, twice.
+    """
+    if step_time_s is not None and step_time_s <= 0:
+        raise ValueError(f"step time={step_time_s} s: must be > 0")
+    if step_time_s is None:
+        pg = ft.startup_timeout_s
+    else:
+        pg = max(ft.min_pg_timeout_s, ft.pg_timeout_factor * step_time_s)
+    return Timeouts(pg_s=pg, heartbeat_s=2 * pg, rendezvous_s=4 * pg)
+
+
+class StepTimer:
+    """Step times of the current layout: the first is warm-up; after ``steps`` more, the
+    step time is their maximum (a conservative base for timeouts). The median of the last
+    ``RECENT`` steps after warm-up is the typical step (what an estimator is fitted to)."""
+
+    RECENT = 64
+
+    def __init__(self, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"timing steps={steps}: must be >= 1")
+        self._steps = steps
+        self._count = 0
+        self._window: list[float] = []
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.RECENT)
+
+    def record(self, seconds: float) -> None:
+        self._count += 1
+        if self._count == 1:
+            return  # warm-up
+        self._recent.append(seconds)
+        if len(self._window) < self._steps:
+            self._window.append(seconds)
+
+    @property
+    def step_time(self) -> float | None:
+        return max(self._window) if len(self._window) == self._steps else None
+
+    @property
+    def typical(self) -> float | None:
+        return statistics.median(self._recent) if self._recent else None
+
+    def reset(self) -> None:
+        """A new layout: measure again."""
+        self._count = 0
+        self._window = []
+        self._recent.clear()
+
+
+_COMM_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
+                 "timed out", "socket", "peer")
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """True for the errors a peer's failure causes (a local bug, or an injected exception,
+    is not one: that process must die and be announced)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _COMM_MARKERS)
+
+
+class FailureDetector:
+    """The worker side of detection: beats, derives timeouts, reads announcements."""
+
+    def __init__(self, job: JobStore, rank: int, ft: ResilienceConfig) -> None:
+        self._job = job
+        self._ft = ft
+        self._heartbeat = Heartbeat(job, rank)
+        self._timer = StepTimer(ft.timing_steps)
+        self.timeouts = derive_timeouts(None, ft)
+        self.seen = 0
+        """Announcements already handled."""
+
+    def beat(self, iteration: int | None = None) -> None:
+        self._heartbeat.beat(self.timeouts.heartbeat_s, iteration)
+
+    def hold(self, seconds: float) -> None:
+        """Beat, allowing ``seconds`` of silence: before work that cannot beat (a checkpoint,
+        a model rebuild, a recovery's blocking waits)."""
+        self._heartbeat.beat(max(seconds, self.timeouts.heartbeat_s))
+
+    @property
+    def typical_step_time(self) -> float | None:
+        """The median recent step time of the current layout (None: none measured yet)."""
+        return self._timer.typical
+
+    def step_done(self, iteration: int, seconds: float) -> None:
+        """Record a step; once the step time is known, apply the derived timeouts."""
+        had = self._timer.step_time
+        self._timer.record(seconds)
+        if had is None and self._timer.step_time is not None:
+            self.timeouts = derive_timeouts(self._timer.step_time, self._ft)
+            n = groups.set_timeouts(self.timeouts.pg_s)
+            logger.info("step time %.3f s: timeouts %s applied to %d groups",
+                        self._timer.step_time, self.timeouts, n)
+        self.beat(iteration)
+
+    def new_layout(self) -> None:
+        """After a recovery: back to the start-up timeouts until steps are measured again."""
+        self._timer.reset()
+        self.timeouts = derive_timeouts(None, self._ft)
+        self.beat()
+
+    def new_failures(self) -> list[FailureRecord]:
+        """Announcements not handled yet (non-blocking); marks them handled."""
+        found = read_failures(self._job, self.seen)
+        self.seen += len(found)
+        return found
+
+    def wait_for_failures(self, timeout_s: float, poll_s: float = 0.05) -> list[FailureRecord]:
+        """After a communication error: wait (beating) until a failure is announced."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.new_failures()
+            if found or time.monotonic() > deadline:
+                return found
+            self.beat()
+            time.sleep(poll_s)
+
+
+class NcclAbortWatcher:
+    """A thread that aborts NCCL communicators when a new failure is announced (on NCCL a
+    collective blocked on a dead peer otherwise waits for the full timeout)."""
+
+    def __init__(self, job: JobStore, abort: Callable[[], int] = groups.abort_communicators,
+                 period_s: float = 0.2) -> None:
+        self._job = job
+        self._abort = abort
+        self._period = period_s
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nccl-abort-watcher", daemon=True)
+        self.aborted_at: float | None = None
+
+    def start(self) -> NcclAbortWatcher:
+        self._seen = failure_count(self._job)
+        self._thread.start()
+        return self
+
+    def rearm(self) -> None:
+        """After a recovery: abort again only for failures announced from now on."""
+        self._seen = failure_count(self._job)
+        self.aborted_at = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            if self.aborted_at is None and failure_count(self._job) > self._seen:
+                n = self._abort()
+                self.aborted_at = time.time()
+                logger.warning("failure announced: aborted %d NCCL communicators", n)

@@ -1,0 +1,138 @@
+"""Deterministic fault injection: which rank fails, at which iteration and phase, and how.
+
+A fault is written
+``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception``
+(the ``--chameleon-inject-fault`` syntax, repeatable) or built with ``FaultInjector.fail_at``.
+
+* ``rank`` is the rank the launcher gave the process at start: it names a process, so it
+  stays meaningful after a recovery has renumbered the survivors.
+* ``iteration`` is the 1-based number of the training step (the number the trainer logs).
+* ``phase``: forward, backward, optimizer fire inside that step (``fault_hooks``); recovery
+  fires inside the recovery that will redo step I, after the survivors' new groups are built
+  and before any state moves (a failure during recovery; the recovery controller calls it).
+* ``kind``: ``exit`` ends the process at once with ``INJECTED_EXIT_CODE`` (no clean-up, like a
+  crash); ``hang`` blocks the calling thread forever (only a heartbeat timeout finds it);
+  ``exception`` raises ``InjectedFault`` from the training code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterable, Literal, get_args
+
+logger = logging.getLogger(__name__)
+
+Phase = Literal["forward", "backward", "optimizer", "recovery"]
+FaultKind = Literal["exit", "hang", "exception"]
+PHASES: tuple[str, ...] = get_args(Phase)
+KINDS: tuple[str, ...] = get_args(FaultKind)
+INJECTED_EXIT_CODE = 43
+"""Exit status of a process ended by an injected ``exit`` fault."""
+
+_SYNTAX = "rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an injected ``exception`` fault."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One planned failure."""
+
+    rank: int
+    iteration: int
+    phase: Phase
+    kind: FaultKind
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"fault rank={self.rank}: must be >= 0")
+        if self.iteration < 1:
+            raise ValueError(f"fault iteration={self.iteration}: must be >= 1 (1-based)")
+        if self.phase not in PHASES:
+            raise ValueError(f"fault phase={self.phase!r}: must be one of {list(PHASES)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind={self.kind!r}: must be one of {list(KINDS)}")
+
+    def __str__(self) -> str:
+        return f"rank={self.rank},iteration={self.iteration},phase={self.phase},kind={self.kind}"
+
+
+def _int_field(text: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"fault {text!r}: {key}={value!r} is not an integer") from None
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse ``rank=R,iteration=I,phase=P,kind=K`` (all four keys, any order)."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"fault {text!r}: {part.strip()!r} is not key=value; expected {_SYNTAX}")
+        if key in fields:
+            raise ValueError(f"fault {text!r}: {key} given twice")
+        fields[key] = value.strip()
+    keys = {"rank", "iteration", "phase", "kind"}
+    unknown = sorted(set(fields) - keys)
+    if unknown:
+        raise ValueError(f"fault {text!r}: unknown key {unknown[0]!r}; expected {_SYNTAX}")
+    missing = sorted(keys - set(fields))
+    if missing:
+        raise ValueError(f"fault {text!r}: missing {', '.join(missing)}; expected {_SYNTAX}")
+    return FaultSpec(
+        rank=_int_field(text, "rank", fields["rank"]),
+        iteration=_int_field(text, "iteration", fields["iteration"]),
+        phase=fields["phase"],  # type: ignore[arg-type]
+        kind=fields["kind"],  # type: ignore[arg-type]
+    )
+
+
+class FaultInjector:
+    """The faults planned for one process; ``check`` fires the one due at (iteration, phase)."""
+
+    def __init__(self, rank: int, specs: Iterable[FaultSpec] = ()) -> None:
+        self.rank = rank
+        self._due = {(s.iteration, s.phase): s for s in specs if s.rank == rank}
+
+    @classmethod
+    def from_strings(cls, rank: int, texts: Iterable[str]) -> FaultInjector:
+        return cls(rank, [parse_fault(t) for t in texts])
+
+    def fail_at(self, rank: int, iteration: int, phase: Phase = "forward",
+                kind: FaultKind = "exit") -> FaultInjector:
+        """Plan one more fault (ignored unless ``rank`` is this process); returns self."""
+        spec = FaultSpec(rank=rank, iteration=iteration, phase=phase, kind=kind)
+        if rank == self.rank:
+            self._due[(iteration, phase)] = spec
+        return self
+
+    @property
+    def planned(self) -> tuple[FaultSpec, ...]:
+        return tuple(self._due.values())
+
+    def check(self, iteration: int, phase: Phase) -> None:
+        """Fire the fault planned for this iteration and phase, if any (at most once)."""
+        spec = self._due.pop((iteration, phase), None)
+        if spec is not None:
+            _fire(spec)
+
+
+def _fire(spec: FaultSpec) -> None:
+    logger.warning("injecting fault %s", spec)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if spec.kind == "exit":
+        os._exit(INJECTED_EXIT_CODE)
+    if spec.kind == "exception":
+        raise InjectedFault(f"injected fault {spec}")
+    while True:  # hang: only the agent's heartbeat check ends this process
+        time.sleep(3600)
+

@@ -1,0 +1,168 @@
+"""``ResiliencePlugin``: fault tolerance as a trainer plugin (``--chameleon-ft``).
+
+    plugins.append(ResiliencePlugin(cfg.ft))   # when cfg.ft.enabled, under chameleon-run
+
+``on_model_built`` (first time) connects to the job store, starts heartbeats with the
+start-up timeouts and builds the recovery controller; every time, it installs the fault
+injection hooks on the (re)built model. A restarted worker (``joiners.JOIN_ENV`` set) builds
+its controller in ``on_train_start`` instead and waits there to be admitted into the job.
+``step_context`` times each training step: the detector derives the timeouts from it and
+beats, estimator feedback gets the time; before a checkpoint or an evaluation the timeouts
+are relaxed to the start-up value until the next step. ``on_step_failed`` hands the failure
+to the controller, ``between_steps`` lets it admit joiners or leave rerouting. ``metrics``
+adds ``{"ft": {"generation", "estimated_step_s"}}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import torch.distributed as dist
+
+from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.decision.center import uniform_plan
+from chameleon_megatron.resilience.decision.layout import UniformLayout
+from chameleon_megatron.resilience.decision.profile import load_profile
+from chameleon_megatron.resilience.model_state import ModelState
+from chameleon_megatron.resilience.recovery.controller import RecoveryController
+from chameleon_megatron.resilience.recovery.detector import FailureDetector
+from chameleon_megatron.resilience.recovery.fault_hooks import install_fault_hooks
+from chameleon_megatron.resilience.recovery.faults import FaultInjector
+from chameleon_megatron.resilience.recovery.live_profile import check_profile
+from chameleon_megatron.resilience.store.job_store import RELAUNCH_ENV, JobStore
+from chameleon_megatron.resilience.store.joiners import join_id_from_env
+from chameleon_megatron.training.plugin import StepAction, TrainContext, TrainerPlugin
+
+logger = logging.getLogger(__name__)
+
+
+def check_supported(ctx: TrainContext, ft: ResilienceConfig) -> None:
+    """Refuse, before training, what in-memory recovery cannot do (ConfigError/ValueError)."""
+    args = ctx.args
+    if ctx.vpp_size > 1:
+        raise ConfigError("--chameleon-ft: interleaved pipelines (virtual stages) are not "
+                          "supported by the recovery controller yet; drop "
+                          "--num-layers-per-virtual-pipeline-stage")
+    if args.rampup_batch_size is not None:
+        raise ConfigError("--chameleon-ft: --rampup-batch-size is not supported (the "
+                          "decision center plans for one global batch size)")
+    ModelState(ctx.model, ctx.extra["optimizer"], role="source")  # refuses the optimizer
+    if ft.profile:
+        check_profile(load_profile(ft.profile), args)
+
+
+class ResiliencePlugin(TrainerPlugin):
+    def __init__(self, ft: ResilienceConfig) -> None:
+        self.ft = ft
+        self.controller: RecoveryController | None = None
+        self._args: Any = None
+        self._remove_hooks: Callable[[], None] = lambda: None
+        self._iteration = 0
+        """The training step being computed (0 outside training steps: no fault fires)."""
+        self._completed = 0
+        self._relaxed = False
+        self._leaving = False
+
+    def on_model_built(self, ctx: TrainContext) -> None:
+        self._args = ctx.args
+        if self.controller is None:
+            self.controller = self._start(ctx)
+        self._remove_hooks()
+        self._remove_hooks = install_fault_hooks(self.controller.injector, ctx.model,
+                                                 ctx.extra["optimizer"], lambda: self._iteration)
+
+    def _start(self, ctx: TrainContext) -> RecoveryController:
+        check_supported(ctx, self.ft)
+        a = ctx.args
+        layout = UniformLayout(tp=a.tensor_model_parallel_size,
+                               pp=a.pipeline_model_parallel_size, dp=a.data_parallel_size)
+        plan = uniform_plan(layout, range(layout.world_size), a.num_layers,
+                            a.global_batch_size // a.micro_batch_size)
+        return self._controller(ctx.rank, plan, dist.get_backend())
+
+    def _controller(self, me: int, plan: Any, backend: str) -> RecoveryController:
+        job = JobStore.from_env()
+        detector = FailureDetector(job, me, self.ft)
+        detector.beat()
+        groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default
+        return RecoveryController(
+            job=job, detector=detector,
+            injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
+            plan=plan, backend=backend)
+
+    def on_train_start(self, trainer: Any) -> StepAction | None:
+        relaunch = os.environ.get(RELAUNCH_ENV)
+        if relaunch is not None:
+            record = {"event": "recovery", "cause": "store_lost", "fallback": "checkpoint",
+                      "relaunch": int(relaunch), "resumed_iteration": trainer.iteration,
+                      "world_size": trainer.env.world_size}
+            logger.warning("job relaunched by the surviving nodes after the job store was "
+                           "lost: %s", record)
+            trainer.emit(record)
+        me = join_id_from_env()
+        if me is None:
+            return None
+        self._args = trainer.args
+        backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+        self.controller = self._controller(me, None, backend)
+        logger.info("rank %d waits to join the running job", me)
+        return "stop" if self.controller.join(trainer) == "stop" else None
+
+    @contextlib.contextmanager
+    def step_context(self, iteration: int, *, training: bool) -> Iterator[None]:
+        if not training:
+            yield
+            return
+        assert self.controller is not None, "on_model_built was not called"
+        detector = self.controller.detector
+        if self._relaxed:
+            groups.set_timeouts(detector.timeouts.pg_s)
+            self._relaxed = False
+        self._iteration = iteration
+        self.controller.step_started(iteration)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._iteration = 0
+        seconds = time.perf_counter() - start
+        detector.step_done(iteration, seconds)
+        self.controller.step_done(seconds)
+        self._completed = iteration
+        if self._slow_work_after(iteration):
+            detector.hold(self.ft.startup_timeout_s)
+            groups.set_timeouts(self.ft.startup_timeout_s)
+            self._relaxed = True
+
+    def _slow_work_after(self, iteration: int) -> bool:
+        """A checkpoint or an evaluation follows this step (no beats, long collectives)."""
+        a = self._args
+        saves = a.save and (iteration == a.train_iters
+                            or (a.save_interval and iteration % a.save_interval == 0))
+        evaluates = a.eval_interval and a.eval_iters and iteration % a.eval_interval == 0
+        return bool(saves or evaluates)
+
+    def on_step_failed(self, exc: BaseException, trainer: Any) -> StepAction | None:
+        assert self.controller is not None, "on_model_built was not called"
+        action = self.controller.handle(exc, trainer)
+        self._leaving = action is None
+        return action
+
+    def between_steps(self, trainer: Any) -> StepAction | None:
+        assert self.controller is not None, "on_model_built was not called"
+        return self.controller.between_steps(trainer)
+
+    def metrics(self) -> dict[str, Any]:
+        return {"ft": self.controller.metrics()} if self.controller is not None else {}
+
+    def on_train_end(self) -> None:
+        self._remove_hooks()
+        if self.controller is not None:
+            finished = self._completed == self._args.train_iters and not self._leaving
+            self.controller.close(finished=finished)

@@ -1,0 +1,78 @@
+"""The ``{"event": "recovery"}`` metrics record and its one-line summary for the log.
+
+Phases, in order: detect (from the failure to this rank abandoning its step), decide
+(rendezvous of survivors, run-state agreement, the decision center), regroup (new groups,
+model/optimizer rebuilt), migrate (state transfers confirmed); total is from the failure to
+the moment training resumes with the redone step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from chameleon_megatron.resilience.store.announce import FailureRecord
+
+PHASES = ("detect", "decide", "regroup", "migrate")
+
+
+class PhaseClock:
+    """Wall-clock phase durations of one recovery, starting at the failure itself."""
+
+    def __init__(self, failed_at: float) -> None:
+        self._start = self._last = failed_at
+        self._phases: dict[str, float] = {}
+
+    def mark(self, phase: str, now: float | None = None) -> None:
+        """End ``phase`` now (a phase repeated by a retried recovery accumulates)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}: must be one of {list(PHASES)}")
+        now = time.time() if now is None else now
+        self._phases[phase] = self._phases.get(phase, 0.0) + max(0.0, now - self._last)
+        self._last = now
+
+    def phases(self) -> dict[str, float]:
+        out = {p: self._phases.get(p, 0.0) for p in PHASES}
+        out["total"] = max(0.0, self._last - self._start)
+        return out
+
+
+def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
+                    decision: dict[str, Any], phases: dict[str, float],
+                    layout_after: dict[str, Any], spares: Iterable[int], redo_iteration: int,
+                    migrated_bytes: int, fallback: str | None = None, cause: str = "failure",
+                    joined: Iterable[int] = ()) -> dict[str, Any]:
+    """``cause``: "failure", or a change between steps without one: "join" (new members
+    admitted: ``joined``) or "replan" (leaving rerouting for a re-planned layout)."""
+    failures = sorted(failures, key=lambda f: f.rank)
+    return {
+        "event": "recovery",
+        "cause": cause,
+        "generation": generation,
+        "failed_ranks": [f.rank for f in failures],
+        "failures": [{"rank": f.rank, "reason": f.reason, "exitcode": f.exitcode,
+                      "signal": f.signal, "failed_at": f.failed_at} for f in failures],
+        "decision": decision,
+        "phases_s": phases,
+        "layout_after": layout_after,
+        "spares": sorted(spares),
+        "redo_iteration": redo_iteration,
+        "migrated_bytes": migrated_bytes,
+        "fallback": fallback,
+        "joined": sorted(joined),
+    }
+
+
+def summary(record: dict[str, Any]) -> str:
+    """One readable line for the log."""
+    p = record["phases_s"]
+    how = "from checkpoint" if record["fallback"] == "checkpoint" else "in memory"
+    what = {"failure": f"recovered {how} from failure of ranks {record['failed_ranks']}",
+            "join": f"grew the job with ranks {record['joined']}",
+            "replan": "left rerouting for a re-planned layout"}[record["cause"]]
+    return (f"{what} "
+            f"(generation {record['generation']}): layout {record['layout_after']}, "
+            f"spares {record['spares']}, redo iteration {record['redo_iteration']}; "
+            f"detect {p['detect']:.2f} s, decide {p['decide']:.2f} s, "
+            f"regroup {p['regroup']:.2f} s, migrate {p['migrate']:.2f} s, "
+            f"total {p['total']:.2f} s, {record['migrated_bytes'] / 2**20:.1f} MiB moved")

@@ -1,0 +1,1 @@
+"""The job store's protocol, shared by launch agents and workers."""

@@ -1,0 +1,61 @@
+"""New members waiting to join a running job, as the job's ranks see them.
+
+A joiner (a restarted worker, ``joiners.py``) queues itself in the job store; the active ranks
+read how many wait (``waiting``), agree on a count in their between-steps all-reduce, take
+that many in queue order (``take``) and admit each into the generation that follows
+(``admit``); the joiner waits for that (``wait_for_invitation``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from chameleon_megatron.resilience.store.announce import failed_ranks
+from chameleon_megatron.resilience.store.job_store import JobStore
+
+
+class JoinQueue:
+    """Keys under ``join/``: ``count``, ``<i>`` (the i-th joiner's rank), ``gen/<rank>``."""
+
+    def __init__(self, job: JobStore) -> None:
+        self.job = job
+        self._settled = 0
+        """Queue entries known admitted or failed (a cache: the store decides)."""
+
+    def enqueue(self, rank: int) -> None:
+        index = self.job.store.add("join/count", 1) - 1
+        self.job.store.set(f"join/{index}", str(rank))
+
+    def waiting(self) -> int:
+        """How many joiners have queued so far, admitted or not (non-blocking)."""
+        return self.job.counter("join/count")
+
+    def take(self, count: int) -> tuple[int, ...]:
+        """The first ``count`` queued joiners not yet admitted nor announced failed. Decided
+        by the store alone, so every rank past the same generation gets the same answer."""
+        if count <= self._settled:
+            return ()
+        queued = [int(self.job.store.get(f"join/{i}")) for i in range(count)]
+        dead = failed_ranks(self.job)
+        fresh = tuple(r for r in queued
+                      if r not in dead and not self.job.store.check([f"join/gen/{r}"]))
+        if not fresh:
+            self._settled = count
+        return fresh
+
+    def admit(self, rank: int, generation: int) -> None:
+        self.job.store.set(f"join/gen/{rank}", str(generation))
+
+    def wait_for_invitation(self, rank: int, *, on_wait: Callable[[], None],
+                            poll_s: float = 0.2) -> int | None:
+        """Queue ``rank`` and wait: the generation that admits it, or None when the job
+        finished first."""
+        self.enqueue(rank)
+        while True:
+            if self.job.store.check([f"join/gen/{rank}"]):
+                return int(self.job.store.get(f"join/gen/{rank}"))
+            if self.job.is_done():
+                return None
+            on_wait()
+            time.sleep(poll_s)

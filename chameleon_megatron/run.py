@@ -1,0 +1,117 @@
+"""chameleon-run: torchrun, with an agent that keeps the survivors of a failure running.
+
+Takes torchrun's arguments unchanged (``--nproc-per-node``, ``--nnodes``, ``--node-rank``,
+``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--master-addr``, ``--master-port``,
+``-m module`` or a script, then the training arguments). When the training arguments enable
+fault tolerance (``--chameleon-ft``, or ``ft.enabled`` in a ``--chameleon-config`` preset), each
+node runs ``ChameleonAgent`` instead of torchrun's; otherwise this is plain torchrun. With
+``--chameleon-ft-join`` too, this node joins a running job (``join_node.py``). When the job
+store is lost with node 0, the surviving nodes relaunch the job among themselves from its
+last checkpoint (``store_loss.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import sys
+from typing import Iterator
+
+import torch.distributed.launcher.api as launcher_api
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from chameleon_megatron.config import add_chameleon_args, config_from_args
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.launch.agent import ChameleonAgent
+from chameleon_megatron.resilience.launch.join_node import run_joining_node
+from chameleon_megatron.resilience.launch.store_loss import (
+    StoreLost,
+    relaunch_args,
+    resume_directory,
+)
+from chameleon_megatron.resilience.store.job_store import AGENT_ENV, RELAUNCH_ENV
+
+logger = logging.getLogger("chameleon_megatron.run")  # also when run as __main__
+
+
+def ft_config(training_args: list[str]) -> ResilienceConfig:
+    """The ``ft`` section the training command will run with (flags over preset)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_chameleon_args(parser)
+    namespace, _ = parser.parse_known_args(training_args)
+    return config_from_args(namespace).ft
+
+
+def check_ft_launch(args: argparse.Namespace) -> None:
+    """Refuse torchrun options that would undo in-process recovery, before anything starts."""
+    if args.max_restarts != 0:
+        raise ValueError(f"--max-restarts={args.max_restarts}: must be 0 with --chameleon-ft "
+                         "(a restart relaunches every worker; recovery happens in-process)")
+    if args.run_path:
+        raise ValueError("--run-path: not supported with --chameleon-ft (workers must be "
+                         "processes of their own so one can fail alone)")
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        raise ValueError("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the job store must be the "
+                         "agent's (with it off, worker 0 hosts the store and dies with it)")
+
+
+@contextlib.contextmanager
+def chameleon_agent(ft: ResilienceConfig) -> Iterator[None]:
+    """Make torchrun's ``launch_agent`` build a ``ChameleonAgent`` (it looks the class up by
+    its module-level name); restored on exit."""
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = functools.partial(ChameleonAgent, ft=ft)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+
+
+def log_agent_events() -> None:
+    """The agent's records (failures, restarts, joins) at INFO on stderr; torch's loggers
+    keep their own set-up."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("chameleon_megatron")
+    ours.setLevel(logging.INFO)
+    ours.addHandler(handler)
+    ours.propagate = False
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    ft = ft_config(args.training_script_args)
+    if not ft.enabled:
+        torchrun.run(args)
+        return 0
+    check_ft_launch(args)
+    log_agent_events()
+    os.environ[AGENT_ENV] = "1"
+    # NCCL: on a communication error abort the communicators and raise (2), rather than
+    # tear the process down (torchrun's default 1), so that the survivors can recover.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    if ft.join:
+        return run_joining_node(args, ft)
+    relaunches = 0
+    while True:
+        try:
+            with chameleon_agent(ft):
+                torchrun.run(args)
+            return 0
+        except StoreLost as lost:
+            args = relaunch_args(args, lost)  # ValueError: cannot resume, said why
+            relaunches += 1
+            os.environ[RELAUNCH_ENV] = str(relaunches)
+            logger.error({"event": "relaunch", "why": str(lost), "count": relaunches,
+                          "nodes": int(args.nnodes), "node_rank": args.node_rank,
+                          "store": f"{args.master_addr}:{args.master_port}",
+                          "resume_from": resume_directory(args.training_script_args)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

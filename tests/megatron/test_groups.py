@@ -1,0 +1,52 @@
+"""The group builder in one process: world, megatron layout, timeouts, NCCL-only abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.platform import cpu_platform
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.recovery.detector import FailureDetector
+from chameleon_megatron.resilience.store.heartbeat import read_beats
+from chameleon_megatron.resilience.store.job_store import JobStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_build_use_and_tear_down_a_world() -> None:
+    with cpu_platform():
+        with pytest.raises(ValueError, match=r"rank=1: must be in \[0, 1\)"):
+            groups.init_world(dist.HashStore(), 1, 1, backend="gloo", timeout_s=5)
+        groups.init_world(dist.HashStore(), 0, 1, backend="gloo", timeout_s=5)
+        try:
+            with pytest.raises(ValueError, match="tp=2 x pp=1: must divide the world size 1"):
+                groups.build_uniform(2, 1, timeout_s=5)
+            groups.build_uniform(1, 1, timeout_s=2)
+            assert parallel_state.get_data_parallel_world_size() == 1
+            n = groups.set_timeouts(1.5)
+            assert n == len(groups.all_groups()) > 5  # the world and megatron's groups
+            assert groups.abort_communicators() == 0  # gloo has none to abort
+            _detector_derives_timeouts_once_steps_are_measured()
+            with pytest.raises(ValueError, match="timeout=0 s: must be > 0"):
+                groups.set_timeouts(0)
+        finally:
+            groups.destroy()
+        assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+        groups.destroy()  # idempotent
+
+
+def _detector_derives_timeouts_once_steps_are_measured() -> None:
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig(startup_timeout_s=50, timing_steps=2, pg_timeout_factor=3,
+                          min_pg_timeout_s=0.5)
+    detector = FailureDetector(job, 0, ft)
+    for iteration, seconds, heartbeat in [(1, 10.0, 100.0), (2, 0.4, 100.0), (3, 0.6, 3.6)]:
+        detector.step_done(iteration, seconds)
+        beat = read_beats(job, [0])[0]
+        assert (beat.iteration, beat.timeout_s) == (iteration, pytest.approx(heartbeat))
+    assert detector.timeouts.pg_s == pytest.approx(1.8)
+    detector.new_layout()
+    assert detector.timeouts.pg_s == 50 and read_beats(job, [0])[0].timeout_s == 100

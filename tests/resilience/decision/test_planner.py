@@ -1,0 +1,154 @@
+"""Algorithm 1 against brute-force enumeration of the same space on small clusters."""
+
+import itertools
+import math
+import random
+
+import pytest
+from dc_helpers import cost, make_profile
+
+from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage, contiguous_layers
+from chameleon_megatron.resilience.decision.perf_model import plan_step
+from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def splits(L, d):
+    """Every (first, middle x (d - 2), last) split with at least one layer per stage."""
+    if d == 1:
+        return [(L,)]
+    return [c for c in itertools.product(range(1, L), repeat=d)
+            if sum(c) == L and len(set(c[1:-1])) <= 1]
+
+
+def multisets(n, lo, hi, pmin, pmax, min_sum):
+    for p in range(pmin, pmax + 1):
+        for depths in itertools.combinations_with_replacement(range(hi, lo - 1, -1), p):
+            if min_sum <= sum(depths) <= n:
+                yield depths
+
+
+def batch_splits(depths, M):
+    D = sum(depths)
+    floors = [M * d // D for d in depths]
+    extra = M - sum(floors)
+    for chosen in itertools.combinations(range(len(depths)), extra):
+        ms = [f + (j in chosen) for j, f in enumerate(floors)]
+        if min(ms) >= 1:
+            yield ms
+
+
+def build(depths, ms, layer_splits, L, tp):
+    rank = itertools.count()
+    return Plan(num_layers=L, pipelines=tuple(
+        Pipeline(stages=tuple(Stage(layers, tuple(next(rank) for _ in range(tp)))
+                              for layers in contiguous_layers(split)), microbatches=m)
+        for split, m in zip(layer_splits, ms)))
+
+
+def brute_force(profile, n, opts):
+    L, M, best = profile.num_layers, profile.global_microbatches, math.inf
+    hi = min(opts.max_depth or L, n)
+    idle = n if opts.max_idle_units is None else opts.max_idle_units
+    for depths in multisets(n, opts.min_depth, hi, opts.min_pipelines,
+                            min(opts.max_pipelines or n, M), n - idle):
+        if opts.uniform and len(set(depths)) > 1:
+            continue
+        options = [[(L // d,) * d] if opts.uniform else splits(L, d) for d in depths]
+        if opts.uniform and L % depths[0]:
+            continue
+        for ms in batch_splits(depths, M):
+            if opts.uniform and len(set(ms)) > 1:
+                continue
+            for chosen in itertools.product(*options):
+                est = plan_step(build(depths, ms, chosen, L, profile.tp), profile)
+                if est.fits_memory:
+                    best = min(best, est.t_step_s)
+    return best
+
+
+def random_profile(rng, L, M, tp):
+    layers = [cost(f=rng.uniform(0.5, 1.5), b=rng.uniform(1.0, 3.0), param=rng.uniform(1, 4),
+                   opt=rng.uniform(1, 4), act=rng.uniform(0.5, 2)) for _ in range(L)]
+    static = sum(2 * c.param_bytes + c.optimizer_bytes for c in layers)
+    return make_profile(layers=layers, tp=tp, gbs=M, embedding=cost(0.3, 0.6, 3, 3, 1),
+                        output=cost(0.8, 1.6, 3, 3, 2), boundary=1.0, p2p_bw=rng.choice([5.0, 1e9]),
+                        ar_bw=rng.uniform(1.0, 8.0), latency=0.01,
+                        memory=rng.uniform(0.45, 1.2) * static)
+
+
+def gradient_heavy_profile(rng, L, M, tp):
+    """Some layers with 16x the gradient bytes and a slow all-reduce: the fastest split of
+    a pipeline is not always the best once the gradient sync is counted."""
+    layers = [cost(f=rng.uniform(0.5, 1.5), b=rng.uniform(1.0, 3.0),
+                   param=rng.choice([0.5, 8.0]), opt=1, act=0.5) for _ in range(L)]
+    return make_profile(layers=layers, tp=tp, gbs=M, boundary=1.0, p2p_bw=1e9,
+                        ar_bw=rng.uniform(0.5, 2.0))
+
+
+CASES = [  # (seed, layers, microbatches, units, tp, options, profile)
+    (1, 5, 7, 6, 1, SearchOptions(), random_profile),
+    (52, 5, 9, 6, 2, SearchOptions(), random_profile),  # 12 devices
+    (1, 6, 8, 8, 1, SearchOptions(min_depth=2), random_profile),
+    (8, 4, 6, 6, 1, SearchOptions(max_idle_units=1, min_pipelines=2), random_profile),
+    (1, 6, 12, 6, 2, SearchOptions(uniform=True), random_profile),  # 12 devices
+    (22, 5, 10, 7, 1, SearchOptions(max_pipelines=3), random_profile),
+    (3, 6, 8, 7, 1, SearchOptions(max_idle_units=0, min_pipelines=2), random_profile),
+    (18, 5, 6, 4, 1, SearchOptions(), gradient_heavy_profile),
+    (40, 5, 6, 4, 2, SearchOptions(), gradient_heavy_profile),  # 8 devices
+]
+
+
+@pytest.mark.parametrize("seed,L,M,n,tp,opts,factory", CASES)
+def test_search_finds_the_brute_force_optimum(seed, L, M, n, tp, opts, factory):
+    profile = factory(random.Random(seed), L, M, tp)
+    expected = brute_force(profile, n, opts)
+    result = Planner(profile, opts).search(n)
+    if math.isinf(expected):
+        assert result.pipelines is None and "fits memory" in result.reason
+        return
+    assert result.complete
+    assert result.t_step_s == pytest.approx(expected, rel=1e-12)
+    shape = result.pipelines
+    plan = build([p.depth for p in shape], [p.microbatches for p in shape],
+                 [p.layer_counts for p in shape], L, tp)
+    assert plan_step(plan, profile).t_step_s == pytest.approx(expected, rel=1e-12)
+    assert len(plan.ranks()) <= n * tp and plan.microbatches == M
+
+
+def test_cases_exercise_heterogeneous_optima_and_memory_pruning():
+    """Guards the cases above against being trivial: some optimum mixes depths or uneven
+    splits, and some plans are pruned by memory."""
+    mixed = pruned = 0
+    for seed, L, M, n, tp, opts, factory in CASES:
+        profile = factory(random.Random(seed), L, M, tp)
+        shape = Planner(profile, opts).search(n).pipelines or ()
+        mixed += len({(p.depth, p.layer_counts) for p in shape}) > 1
+        pruned += profile.device_memory_bytes < sum(2 * c.param_bytes + c.optimizer_bytes
+                                                    for c in profile.layers)
+    assert mixed >= 3 and pruned >= 5
+
+
+def test_deadline_returns_the_best_plan_so_far():
+    profile = random_profile(random.Random(9), 6, 12, 1)
+    full = Planner(profile).search(10)
+    rushed = Planner(profile, SearchOptions(time_limit_s=0.0)).search(10)
+    assert not rushed.complete and rushed.pipelines is not None
+    assert rushed.t_step_s >= full.t_step_s
+
+
+def test_nothing_fits_memory_is_reported():
+    result = Planner(make_profile(4, gbs=4, memory=1.0)).search(4)
+    assert result.pipelines is None and math.isinf(result.t_step_s)
+    assert "fits memory" in result.reason
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(min_depth=0), "min_depth=0"), (dict(min_depth=3, max_depth=2), "max_depth=2"),
+    (dict(min_pipelines=2, max_pipelines=1), "max_pipelines=1"),
+    (dict(max_idle_units=-1), "max_idle_units=-1"), (dict(time_limit_s=-1.0), "time_limit_s"),
+])
+def test_options_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SearchOptions(**kwargs)

@@ -1,0 +1,147 @@
+"""Shared by the end-to-end recovery tests: the worker's job under chameleon-run, its
+failure-free reference (one process), and comparisons of losses and final state."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_utils import TINY, run_command  # noqa: E402
+from rt_support import run_launcher  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "recovery_worker.py"
+ITERS = 8
+COMMON = [*TINY, "--hidden-dropout", "0", "--attention-dropout", "0"]
+FT = ["--chameleon-ft", "--chameleon-ft-timing-steps", "1", "--chameleon-ft-min-pg-timeout-s", "3",
+      "--chameleon-ft-pg-timeout-factor", "10"]
+
+
+def faults(*specs: str) -> list[str]:
+    return [arg for spec in specs for arg in ("--chameleon-inject-fault", spec)]
+
+
+def write_profile(path: Path, *, favour: str, tp: int, **over: float) -> Path:
+    """A profile of the TINY model whose links make the re-plan deterministic:
+    favour="dp": slow stage-to-stage hops (pipelines of depth 1); "pp": slow all-reduce
+    (one pipeline, as deep as the survivors allow). ``over``: other Hardware figures, and
+    micro_batch_size/global_batch_size/seconds_per_flop."""
+    from chameleon_megatron.resilience.decision.model_shape import ModelShape
+    from chameleon_megatron.resilience.decision.profile import save_profile
+    from chameleon_megatron.resilience.decision.shape_profile import Hardware, profile_from_shape
+
+    slow, fast = 1e3, 1e15
+    args = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "micro_batch_size": int(over.pop("micro_batch_size", 2)),
+            "global_batch_size": int(over.pop("global_batch_size", 8)),
+            "padded_vocab_size": 128, "tensor_model_parallel_size": tp}
+    per_flop = over.pop("seconds_per_flop", 1e-12)
+    links = {"p2p_bandwidth_Bps": slow if favour == "dp" else fast,
+             "allreduce_bandwidth_Bps": slow if favour == "pp" else fast,
+             "transfer_bandwidth_Bps": 1e9}
+    hw = Hardware(device_memory_bytes=1e12, **{**links, **over})
+    profile = profile_from_shape(ModelShape.from_args(args), hw, seconds_per_flop=per_flop,
+                                 name=f"favour-{favour}", source="test")
+    save_profile(profile, path)
+    return path
+
+
+def run_reference(tmp: Path, iters: int = ITERS,
+                  flags: tuple[str, ...] = ()) -> tuple[dict[int, float], dict]:
+    """Losses and state sums of the failure-free run (one process)."""
+    dump = tmp / "dump"
+    dump.mkdir()
+    metrics = tmp / "metrics.jsonl"
+    run_command([sys.executable, str(WORKER), "--dump", str(dump), "--iters", str(iters), *COMMON,
+                 *flags, "--chameleon-metrics-file", str(metrics)], timeout=120, log=tmp / "log")
+    losses = {r["iteration"]: r["loss"] for r in records(metrics) if r["event"] == "iteration"}
+    return losses, json.loads((dump / "0.json").read_text())
+
+
+def launch(tmp: Path, nproc: int, flags: list[str], timeout_s: float,
+           iters: int = ITERS) -> tuple[list, dict, str]:
+    """A chameleon-run job of this worker: (metrics records, dumps by launch rank, log)."""
+    code, _ = run_launcher(["--standalone", *job_args(tmp, nproc, flags, iters)], tmp / "log",
+                           timeout_s=timeout_s)
+    log = (tmp / "log").read_text()
+    assert code == 0, log[-6000:]
+    return outcome(tmp)
+
+
+def job_args(tmp: Path, nproc: int, flags: list[str], iters: int = ITERS) -> list[str]:
+    """chameleon-run's arguments (rendezvous options aside) for a job of this worker that
+    dumps into ``tmp/dump`` and writes ``tmp/metrics.jsonl``."""
+    (tmp / "dump").mkdir(exist_ok=True)
+    return [f"--nproc-per-node={nproc}", "--monitor-interval=0.1", str(WORKER),
+            "--dump", str(tmp / "dump"), "--iters", str(iters), *COMMON, *flags,
+            "--chameleon-metrics-file", str(tmp / "metrics.jsonl")]
+
+
+def outcome(tmp: Path) -> tuple[list, dict, str]:
+    """(metrics records, dumps by launch rank, log) of a finished job; no process left."""
+    assert not leftover(tmp), f"processes left behind: {leftover(tmp)}"
+    dumps = {int(p.stem): json.loads(p.read_text()) for p in (tmp / "dump").glob("*.json")}
+    return records(tmp / "metrics.jsonl"), dumps, (tmp / "log").read_text()
+
+
+def records(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def leftover(tmp: Path, wait_s: float = 10.0) -> list[int]:
+    """Processes whose command line names ``tmp`` (workers outliving their launcher)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and str(tmp) in (proc / "cmdline").read_text():
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def combine(dumps: list[dict]) -> dict[str, dict[str, float]]:
+    """Whole-model sums from the ranks of one data-parallel replica: a tensor-parallel shard
+    adds its sums of squares, a replicated tensor counts once."""
+    total: dict[str, dict[str, float]] = {}
+    for d in dumps:
+        if d.get("spare") or d["dp_rank"] != 0:
+            continue
+        for key, v in d["sums"].items():
+            if not v["sharded"] and d["tp_rank"] != 0:
+                continue
+            acc = total.setdefault(key, {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0,
+                                         "step": v["step"]})
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                acc[k] += v[k]
+    return total
+
+
+def assert_same_state(want: dict, got: dict, rtol: float = 1e-4, iters: int = ITERS) -> None:
+    """Every parameter of the reference: same weights and Adam moments, ``iters`` Adam steps."""
+    missing = sorted(set(want) - set(got))
+    assert not missing, f"parameters missing after recovery: {missing}"
+    for key, w in want.items():
+        g = got[key]
+        assert g["step"] == iters, (key, g["step"])
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert math.isclose(g[k], w[k], rel_tol=rtol, abs_tol=1e-30), (key, k, w[k], g[k])
+
+
+def assert_losses_match(recs: list[dict], ref: dict[int, float], rtol: float = 1e-4) -> list[int]:
+    """Each iteration record's loss equals the reference's; returns the iterations seen."""
+    seen = []
+    for r in recs:
+        if r["event"] == "iteration":
+            want = ref[r["iteration"]]
+            assert abs(r["loss"] - want) <= rtol * abs(want), (r["iteration"], r["loss"], want)
+            seen.append(r["iteration"])
+    return seen

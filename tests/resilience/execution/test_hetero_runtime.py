@@ -1,0 +1,72 @@
+"""A heterogeneous plan trains exactly what the failure-free run trains.
+
+Four ranks: pipeline 0 has depth 2 with an uneven split (layer 0 | layers 1-3) and 5
+microbatches, pipelines 1 and 2 have depth 1 with 3 and 2 microbatches. After two steps the
+losses, the gradient norms, the (clipped) gradients of step 1 and the parameters match the
+trainer in one process over the same global batch of 10 microbatches. Unequal shares make
+an average of per-pipeline averages differ from the sample-weighted loss, so that error, a
+wrong token count, a missed or doubled all-reduce (or tied-embedding sum) would all show.
+
+Run as a script, this file is the worker program of the test.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hetero_support import (  # noqa: E402
+    TOL, Scenario, assert_same_state, launch, plan_worker,
+)
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+def make_plan():
+    from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage
+
+    return Plan(num_layers=4, pipelines=(
+        Pipeline(stages=(Stage((0,), (0,)), Stage((1, 2, 3), (1,))), microbatches=5),
+        Pipeline(stages=(Stage((0, 1, 2, 3), (2,)),), microbatches=3),
+        Pipeline(stages=(Stage((0, 1, 2, 3), (3,)),), microbatches=2),
+    ))
+
+
+def test_unequal_shares_match_the_failure_free_run(tmp_path: Path) -> None:
+    import torch
+
+    from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
+    from dc_helpers import make_profile
+
+    launch(__file__, 4, tmp_path, timeout_s=170)
+    want = torch.load(tmp_path / "reference.pt")
+    ranks = {r: torch.load(tmp_path / "hetero" / f"rank{r}.pt") for r in range(4)}
+    for r, got in ranks.items():
+        for w, g in zip(want["loss"], got["loss"]):
+            assert abs(g - w) <= TOL * abs(w), (r, want["loss"], got["loss"])
+        for w, g in zip(want["grad_norm"], got["grad_norm"]):
+            assert abs(g - w) <= TOL * w, (r, want["grad_norm"], got["grad_norm"])
+        assert_same_state(got, want, f"rank {r}")
+    assert want["loss"][1] < want["loss"][0]  # the reference did learn: the check has teeth
+    # Every unit of the model was checked on some rank.
+    assert set().union(*(g["params"] for g in ranks.values())) == set(want["params"])
+    # Each rank all-reduced exactly its groups of the restorer's DSATUR rounds, in order.
+    plan, profile = make_plan(), make_profile(4, gbs=10)
+    groups, rounds = allreduce_groups(plan, profile), allreduce_rounds(plan, profile)
+    assert len(rounds) == 2
+    for r, got in ranks.items():
+        expected = [(k, groups[i].ranks) for k, rnd in enumerate(rounds) for i in rnd
+                    if r in groups[i].ranks]
+        assert got["rounds"] == [expected] * 2, (r, got["rounds"], expected)
+
+
+def scenarios() -> list[Scenario]:
+    from chameleon_megatron.resilience.execution.runtime import run_hetero_step
+
+    return [Scenario("hetero", make_plan(), run_hetero_step)]
+
+
+if __name__ == "__main__":
+    sys.exit(plan_worker(Path(sys.argv[1]), scenarios))

@@ -1,0 +1,45 @@
+"""Where survivors resume: the newest completed step, from the replicas that completed it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chameleon_megatron.resilience.recovery.run_state import RunState, agree, publish, read_all
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_failure_between_replicas_optimizer_steps_resumes_at_the_newest_step() -> None:
+    """Ranks 0 and 2 applied step 5 before the failure surfaced, rank 3 had not; rank 4 is
+    a spare without state."""
+    sched = {"num_steps": 40}
+    states = {0: RunState(5, 40, sched), 2: RunState(5, 40, sched), 3: RunState(4, 32),
+              4: RunState(-1, 0)}
+    agreed = agree(states)
+    assert (agreed.iteration, agreed.consumed_samples, agreed.scheduler) == (5, 40, sched)
+    assert (agreed.fresh, agreed.stale) == ((0, 2), (3, 4))
+
+
+@pytest.mark.parametrize("states, message", [
+    ({}, "no survivor"),
+    ({1: RunState(-1, 0)}, "no survivor holds model state"),
+    ({1: RunState(3, 24), 2: RunState(3, 16)}, "consumed 24 vs 16 samples"),
+])
+def test_inconsistent_or_empty_states_are_refused(states, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        agree(states)
+
+
+def test_states_round_trip_through_the_store_with_rng_tensors() -> None:
+    store = dist.HashStore()
+    rng = {"torch": torch.get_rng_state(), "tracker": {"model-parallel-rng": torch.arange(4)}}
+    publish(store, 3, RunState(7, 56, {"num_steps": 56}, rng))
+    publish(store, 1, RunState(6, 48))
+    back = read_all(store, (1, 3), timeout_s=1)
+    assert back[1] == RunState(6, 48)
+    assert back[3].iteration == 7 and torch.equal(back[3].rng["torch"], rng["torch"])
+    assert torch.equal(back[3].rng["tracker"]["model-parallel-rng"], torch.arange(4))
+    with pytest.raises(dist.DistStoreError):
+        read_all(store, (1, 2), timeout_s=0.2)  # rank 2 never published

@@ -1,0 +1,122 @@
+"""The restorer's executor over real gloo groups (one thread per member, in this process)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chameleon_megatron.megatron.groups import recovery_group
+from chameleon_megatron.resilience.decision.restorer import Transfer
+from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class DictView:
+    """item -> kind -> name -> tensor."""
+
+    def __init__(self, data: dict) -> None:
+        self.data = data
+
+    def tensors(self, item, kind):
+        return self.data.get(item, {}).get(kind, {})
+
+
+def run_members(size: int, body: Callable[[int, dist.ProcessGroup, dist.Store], object],
+                timeout_s: float = 5.0) -> list:
+    """Run body(group rank, group, store) on ``size`` threads; results or raised exceptions."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results: list = [None] * size
+
+    def member(rank: int) -> None:
+        try:
+            client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+            group = recovery_group(dist.PrefixStore("pg/", client), rank, size,
+                                   timeout_s=timeout_s)
+            results[rank] = body(rank, group, dist.PrefixStore("mig/", client))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[rank] = exc
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def layer(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def test_transfers_and_local_copies_land_in_the_new_state() -> None:
+    """Survivors 4, 7, 9 (group ranks 0, 1, 2): 4 holds layer 0 (params and Adam moments), 7
+    layer 1; afterwards 9 holds both, 4 keeps layer 0 by a local copy, old state untouched."""
+    src = {0: {"params": layer(0), "optimizer": {"w/exp_avg": torch.full((4, 3), 7.0)}},
+           1: {"params": layer(1)}}
+    old = [DictView({0: src[0]}), DictView({1: src[1]}), DictView({})]
+    new = [DictView({0: {"params": {k: torch.zeros_like(v) for k, v in layer(0).items()}}}),
+           DictView({}),
+           DictView({i: {k: {n: torch.zeros_like(t) for n, t in d.items()}
+                         for k, d in src[i].items()} for i in (0, 1)})]
+    ids = (4, 7, 9)
+    plan = [Transfer(4, 9, 0, "params", 60), Transfer(4, 9, 0, "optimizer", 48),
+            Transfer(7, 9, 1, "params", 60), Transfer(4, 4, 0, "params", 60)]
+
+    reports = run_members(3, lambda r, g, s: migrate(g, ids, ids[r], plan, old=old[r],
+                                                     new=new[r], store=s, timeout_s=5))
+    assert not any(isinstance(r, Exception) for r in reports), reports
+    for item in (0, 1):
+        for kind, tensors in src[item].items():
+            for name, t in tensors.items():
+                assert torch.equal(new[2].tensors(item, kind)[name], t)
+    assert torch.equal(new[0].tensors(0, "params")["w"], layer(0)["w"])
+    assert torch.equal(old[0].tensors(0, "params")["w"], layer(0)["w"])
+    bytes_l0 = (12 + 3) * 4
+    assert reports[0].sent_bytes == bytes_l0 + 12 * 4 and reports[0].copied_bytes == bytes_l0
+    assert reports[2].received_bytes == 2 * bytes_l0 + 12 * 4
+
+
+def test_a_shape_mismatch_fails_every_member_and_leaves_state_alone() -> None:
+    old = [DictView({0: {"params": {"w": torch.ones(4, 3)}}}), DictView({})]
+    target = torch.zeros(3, 4)
+    new = [DictView({}), DictView({0: {"params": {"w": target}}})]
+    plan = [Transfer(0, 1, 0, "params", 48)]
+    results = run_members(2, lambda r, g, s: migrate(g, (0, 1), r, plan, old=old[r],
+                                                     new=new[r], store=s, timeout_s=5))
+    assert all(isinstance(r, MigrationError) for r in results), results
+    assert "'w' is [4, 3] torch.float32 on the sender, the receiver wants [3, 4]" in str(results[0])
+    assert torch.equal(target, torch.zeros(3, 4))
+
+
+def test_a_missing_tensor_is_named() -> None:
+    old = [DictView({0: {"params": {"w": torch.ones(2)}}}), DictView({})]
+    new = [DictView({}), DictView({0: {"params": {"w": torch.zeros(2), "b": torch.zeros(2)}}})]
+    plan = [Transfer(0, 1, 0, "params", 48)]
+    results = run_members(2, lambda r, g, s: migrate(g, (0, 1), r, plan, old=old[r],
+                                                     new=new[r], store=s, timeout_s=5))
+    assert all(isinstance(r, MigrationError) for r in results), results
+    assert "the sender holds no tensor 'b'" in str(results[0])
+
+
+def test_a_member_that_never_takes_part_fails_the_migration_for_the_others() -> None:
+    """Rank 2 (a receiver) is gone after joining the group: the sender and the bystander
+    both get MigrationError within the group timeout instead of returning success."""
+    old = [DictView({0: {"params": {"w": torch.ones(2)}}}), DictView({}), DictView({})]
+    new = [DictView({}), DictView({}), DictView({0: {"params": {"w": torch.zeros(2)}}})]
+    plan = [Transfer(0, 2, 0, "params", 8)]
+
+    def body(rank, group, store):
+        if rank == 2:
+            return "gone"
+        return migrate(group, (0, 1, 2), rank, plan, old=old[rank], new=new[rank],
+                       store=store, timeout_s=1.5)
+    results = run_members(3, body, timeout_s=1.5)
+    assert isinstance(results[0], MigrationError) and isinstance(results[1], MigrationError)

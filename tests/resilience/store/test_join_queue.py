@@ -1,0 +1,49 @@
+"""Joiners queue in the job store; every rank past the same generation invites the same ones."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_megatron.resilience.store.announce import FailureRecord, announce
+from chameleon_megatron.resilience.store.job_store import JobStore
+from chameleon_megatron.resilience.store.join_queue import JoinQueue
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_old_and_new_members_invite_the_same_joiners() -> None:
+    job = JobStore(dist.HashStore(), "run")
+    old = JoinQueue(job)
+    old.enqueue(8)
+    old.enqueue(9)
+    old.enqueue(10)
+    announce(job, FailureRecord(rank=10, time=0.0, reason="exit", exitcode=1))
+    assert old.waiting() == 3
+    assert old.take(2) == (8, 9)
+    old.admit(8, generation=3)
+    new = JoinQueue(job)  # a member that joined in generation 3 knows nothing cached
+    assert old.take(2) == new.take(2) == (9,)
+    old.admit(9, generation=4)
+    assert old.take(3) == new.take(3) == ()  # 10 failed before it was admitted
+
+
+def test_a_joiner_waits_for_its_generation_or_the_end_of_the_job() -> None:
+    job = JobStore(dist.HashStore(), "run")
+    got: dict[int, int | None] = {}
+
+    def wait(rank: int) -> None:
+        got[rank] = JoinQueue(job).wait_for_invitation(rank, on_wait=lambda: None, poll_s=0.01)
+
+    first = threading.Thread(target=wait, args=(8,))
+    first.start()
+    while JoinQueue(job).waiting() < 1:
+        pass
+    JoinQueue(job).admit(8, generation=5)
+    first.join(10)
+    assert got == {8: 5}
+    job.mark_done()
+    wait(9)
+    assert got[9] is None
