@@ -51,8 +51,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     platform = CpuPlatform()
     platform.apply()  # before megatron-core is imported (see its torch.compile note)
+    from chameleon_megatron.megatron import groups
     from chameleon_megatron.megatron.te_absent import TeAbsentPatch
-    from chameleon_megatron.training import distributed
     from chameleon_megatron.training.trainer import Trainer
 
     te_absent = TeAbsentPatch()
@@ -64,7 +64,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         return trainer.train()
     finally:
         trainer.close()
-        distributed.shutdown()
+        groups.destroy()
         te_absent.remove()
         platform.remove()
 

@@ -13,18 +13,16 @@ last checkpoint (``store_loss.py``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import logging
 import os
 import sys
-from typing import Iterator
 
-import torch.distributed.launcher.api as launcher_api
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from chameleon_megatron.config import add_chameleon_args, config_from_args
+from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.agent import ChameleonAgent
 from chameleon_megatron.resilience.launch.join_node import run_joining_node
@@ -59,18 +57,6 @@ def check_ft_launch(args: argparse.Namespace) -> None:
                          "agent's (with it off, worker 0 hosts the store and dies with it)")
 
 
-@contextlib.contextmanager
-def chameleon_agent(ft: ResilienceConfig) -> Iterator[None]:
-    """Make torchrun's ``launch_agent`` build a ``ChameleonAgent`` (it looks the class up by
-    its module-level name); restored on exit."""
-    original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = functools.partial(ChameleonAgent, ft=ft)  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
-
-
 def log_agent_events() -> None:
     """The agent's records (failures, restarts, joins) at INFO on stderr; torch's loggers
     keep their own set-up."""
@@ -100,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     relaunches = 0
     while True:
         try:
-            with chameleon_agent(ft):
+            with torch_seams.torchrun_agent(functools.partial(ChameleonAgent, ft=ft)):
                 torchrun.run(args)
             return 0
         except StoreLost as lost:

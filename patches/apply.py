@@ -3,7 +3,7 @@
 
 The change is one marked block inserted as the first lines of the ``__main__`` block (before
 anything there parses arguments, as Megatron-LM's in-process-restart wrapper does); it
-rebinds ``pretrain`` to ``chameleon_megatron.megatron.megatron_lm.wrap_pretrain(pretrain)``,
+rebinds ``pretrain`` to ``chameleon_megatron.megatron_lm.wrap_pretrain(pretrain)``,
 which adds the ``--chameleon-*`` flags to every argument parse and installs Chameleon's
 plugins for the ``pretrain(...)`` call. No existing line is edited, so removing the block
 restores the file byte for byte.
@@ -35,7 +35,7 @@ BEGIN = "# >>> chameleon-megatron (patches/apply.py) >>>"
 END = "# <<< chameleon-megatron <<<"
 BLOCK = (
     BEGIN,
-    "from chameleon_megatron.megatron.megatron_lm import wrap_pretrain as _chameleon_wrap",
+    "from chameleon_megatron.megatron_lm import wrap_pretrain as _chameleon_wrap",
     "pretrain = _chameleon_wrap(pretrain)",
     END,
 )

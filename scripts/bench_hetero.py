@@ -12,7 +12,7 @@ store), all over the same GPT and global batch:
    shares, which may leave a survivor idle), run by the plan runtime: what a re-plan
    without heterogeneous pipelines gets.
 
-The decision center plans with the runtime profile (``runtime_profile``: FLOP shares, gloo
+The decision center plans with the runtime profile (``live_profile``: FLOP shares, gloo
 link figures) calibrated to case 1's measured step, as a running job would; the same
 profile predicts every case. For each case: the build time (groups, model, optimizer; no
 state moved) and, per step after a warm-up, the wall time (until the slowest rank ends) and

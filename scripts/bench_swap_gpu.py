@@ -41,7 +41,7 @@ from chameleon_megatron.swap.config import SwapConfig
 def init_megatron() -> torch.device:
     from megatron.core import parallel_state, tensor_parallel
 
-    from chameleon_megatron.training.distributed import free_port
+    from chameleon_megatron.megatron.groups import free_port
 
     cuda = torch.cuda.is_available()
     if not cuda:

@@ -22,8 +22,9 @@ from chameleon_megatron.swap.copier import SyncCopier
 from chameleon_megatron.swap.cover import exact_cover
 from chameleon_megatron.swap.executor import SwapExecutor
 from chameleon_megatron.swap.hostpool import HostPool
-from chameleon_megatron.swap.policy import generate_plan, min_feasible_budget
-from chameleon_megatron.swap.stage import LayerHooks, StageTracker
+from chameleon_megatron.swap.policy import generate_policy, min_feasible_budget
+from chameleon_megatron.megatron.swap_seams import LayerHooks
+from chameleon_megatron.swap.stage import StageTracker
 from chameleon_megatron.swap.windows import candidate_windows, resident_curve
 
 
@@ -81,7 +82,7 @@ def main() -> None:
         budget = max(int(fraction * peak), floor)
         for gbps in (float("inf"), 1.0, 0.1):
             start = time.process_time()
-            plan = generate_plan(profile, budget_bytes=budget, bandwidth_bps=gbps * 1e9,
+            plan = generate_policy(profile, budget_bytes=budget, bandwidth_bps=gbps * 1e9,
                                  min_bytes=a.min_bytes)
             ms = 1e3 * (time.process_time() - start)
             gap = 100 * (plan.planned_out_bytes / plan.lower_bound_bytes - 1) \

@@ -39,7 +39,8 @@ from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.profile import PACK, USE
 from chameleon_megatron.swap.recorder import FullRecorder
 from chameleon_megatron.swap.signature import StageStats, StepSignature, changed_stages
-from chameleon_megatron.swap.stage import LayerHooks, StageTracker
+from chameleon_megatron.megatron.swap_seams import LayerHooks
+from chameleon_megatron.swap.stage import StageTracker
 
 MODES = ("none", "off", "light", "full")
 

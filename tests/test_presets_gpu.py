@@ -297,7 +297,7 @@ torch.cuda.get_device_properties = lambda *a: types.SimpleNamespace(major=9)
 from megatron.training.arguments import parse_args, validate_args
 sys.argv = ["pretrain_gpt.py", "--chameleon-config", sys.argv[1], "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--transformer-impl", "local"]
-from chameleon_megatron.megatron.megatron_lm import extra_args_provider
+from chameleon_megatron.megatron_lm import extra_args_provider
 args = validate_args(parse_args(extra_args_provider), {})
 print("LAYOUT", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
       args.virtual_pipeline_model_parallel_size, args.data_parallel_size)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from chameleon_megatron.megatron import torch_seams
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,26 @@ def init_world(store: dist.Store, rank: int, world_size: int, *, backend: str,
         raise ValueError(f"rank={rank}: must be in [0, {world_size})")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=_timedelta(timeout_s))
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_launcher(*, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    """torch.distributed's default group as torchrun describes it (MASTER_ADDR/PORT in the
+    environment); without a launcher, a world of one process on a private loopback port."""
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=_timedelta(timeout_s))
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=rank, world_size=world_size, timeout=_timedelta(timeout_s))
 
 
 def build_uniform(tp: int, pp: int, *, timeout_s: float, vpp: int | None = None) -> None:
@@ -56,17 +79,10 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def all_groups() -> list[dist.ProcessGroup]:
-    """Every registered group (the default one and megatron's)."""
-    if not dist.is_initialized():
-        return []
-    return list(dist.distributed_c10d._world.pg_map)  # no public listing exists
-
-
 def set_timeouts(timeout_s: float) -> int:
     """Apply a new collective timeout to every registered group; returns how many."""
     delta = _timedelta(timeout_s)
-    groups = all_groups()
+    groups = torch_seams.registered_groups()
     for group in groups:
         group.set_timeout(delta)
     return len(groups)
@@ -75,9 +91,7 @@ def set_timeouts(timeout_s: float) -> int:
 def current_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
     """The collective timeout ``group`` (default: the world's) has now. gloo's point-to-point
     waits keep the timeout the group was created with unless given this one explicitly."""
-    group = group or dist.distributed_c10d._get_default_group()
-    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    return group._get_backend(device).options._timeout  # set_timeout updates it
+    return torch_seams.group_timeout(group or dist.group.WORLD)
 
 
 def abort_communicators() -> int:
@@ -85,7 +99,7 @@ def abort_communicators() -> int:
     an error (gloo offers no equivalent: there the group timeout bounds the wait). Returns
     how many were aborted."""
     aborted = 0
-    for group in all_groups():
+    for group in torch_seams.registered_groups():
         if dist.get_backend(group) != "nccl":
             continue
         try:
@@ -96,8 +110,8 @@ def abort_communicators() -> int:
     return aborted
 
 
-def recovery_group(store: dist.Store, rank: int, size: int, *,
-                   timeout_s: float) -> dist.ProcessGroupGloo:
+def unregistered_gloo_group(store: dist.Store, rank: int, size: int, *,
+                            timeout_s: float) -> dist.ProcessGroupGloo:
     """A gloo group over all survivors, outside torch.distributed's registry (point-to-point
     ``send``/``recv`` and ``allreduce`` on the object itself)."""
     if not 0 <= rank < size:

@@ -19,12 +19,10 @@ from __future__ import annotations
 import functools
 import inspect
 from importlib.metadata import version
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Protocol
 
 import torch
 from packaging.version import Version
-
-from chameleon_megatron.swap.stage import LayerHooks, StageTracker
 
 SUPPORTED_MCORE = (Version("0.16.0"), Version("0.18.0"))  # [min, max)
 _MARK = "_chameleon_swap_seams"
@@ -46,10 +44,24 @@ def check_schedules(schedules: Any) -> Version:
     return v
 
 
-class SwapSeams:
-    """The schedule wrappers and layer hooks that feed one ``StageTracker``."""
+class StageSink(Protocol):
+    """What the seams tell (the swap subsystem's ``StageTracker``): where in the step it is."""
 
-    def __init__(self, tracker: StageTracker, model_chunks: Iterable[torch.nn.Module]) -> None:
+    granularity: str
+    """"layer": the sink wants to know which transformer layer runs (layer hooks)."""
+
+    def forward(self, microbatch: int, chunk: int) -> ContextManager[None]: ...
+    def backward(self, microbatch: int, chunk: int) -> ContextManager[None]: ...
+    def remember_output(self, output: Any, microbatch: int, chunk: int) -> None: ...
+    def output_stage(self, output: Any) -> tuple[int, int]: ...
+    def enter_layer(self, number: int) -> None: ...
+    def exit_layer(self) -> None: ...
+
+
+class SwapSeams:
+    """The schedule wrappers and layer hooks that feed one ``StageSink``."""
+
+    def __init__(self, tracker: StageSink, model_chunks: Iterable[torch.nn.Module]) -> None:
         self.tracker = tracker
         self.model_chunks = list(model_chunks)
         self._originals: dict[str, Callable] = {}
@@ -74,7 +86,7 @@ class SwapSeams:
                            "backward_step": schedules.backward_step}
         schedules.forward_step = self._wrap_forward(schedules.forward_step)
         schedules.backward_step = self._wrap_backward(schedules.backward_step)
-        if self.tracker.layers:
+        if self.tracker.granularity == "layer":
             self._layer_hooks = LayerHooks(self.tracker, transformer_layers(self.model_chunks))
 
     def remove(self) -> None:
@@ -126,3 +138,21 @@ def transformer_layers(
 
     return [(m, int(m.layer_number)) for chunk in model_chunks for m in chunk.modules()
             if isinstance(m, TransformerLayer)]
+
+
+class LayerHooks:
+    """Forward pre/post hooks that tell a tracker which layer runs; ``remove()`` undoes them."""
+
+    def __init__(self, tracker: StageSink,
+                 layers: Iterable[tuple[torch.nn.Module, int]]) -> None:
+        self._handles = []
+        for module, number in layers:
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, _a, n=number: tracker.enter_layer(n)))
+            self._handles.append(module.register_forward_hook(
+                lambda _m, _a, _o: tracker.exit_layer()))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -26,7 +26,7 @@ class ProfilerCost:
     """Seconds per saved tensor in full mode (signature update, record, use and release)."""
 
 
-def calibrate(samples: int = 20000) -> ProfilerCost:
+def measure_profiler_cost(samples: int = 20000) -> ProfilerCost:
     """Time ``samples`` profiler calls of each mode on dummy data, minus the loop's own cost."""
     stats = StageStats(("F", 0, 0, 0))
     shape = torch.Size((2, 3))

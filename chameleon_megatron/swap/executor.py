@@ -43,7 +43,7 @@ from chameleon_megatron.swap.entry import (
 )
 from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.matching import MatchIndex
-from chameleon_megatron.swap.policy import Plan
+from chameleon_megatron.swap.policy import SwapPolicy
 from chameleon_megatron.swap.profile import PACK, USE
 from chameleon_megatron.swap.recorder import FullRecorder
 from chameleon_megatron.swap.signature import StageStats
@@ -91,14 +91,14 @@ class SwapExecutor:
         self.resident = 0
         self.saved = 0
         self.budget: int | None = None
-        self.set_plan(None, None)
+        self.set_policy(None, None)
         self.begin_step(profile="light")
 
     # ---------------------------------------------------------------- control (per step)
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def set_plan(self, plan: Plan | None, index: MatchIndex | None) -> None:
+    def set_policy(self, plan: SwapPolicy | None, index: MatchIndex | None) -> None:
         """Use ``plan`` from the next pack on (None: swap only to keep the budget)."""
         self.plan, self._index = plan, index
         self._swap = frozenset(d.uid for d in plan.decisions) if plan else frozenset()

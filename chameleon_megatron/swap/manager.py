@@ -24,10 +24,11 @@ executor, so those steps complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 
@@ -36,7 +37,7 @@ from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.swap.cost import ProfilerCost
 from chameleon_megatron.swap.executor import StepCounters, SwapExecutor
 from chameleon_megatron.swap.matching import MatchIndex
-from chameleon_megatron.swap.policy import Plan, generate_plan, min_feasible_budget
+from chameleon_megatron.swap.policy import SwapPolicy, generate_policy, min_feasible_budget
 from chameleon_megatron.swap.profile import StepProfile
 from chameleon_megatron.swap.signature import StepSignature, changed_stages
 from chameleon_megatron.swap.stage import coarsen
@@ -45,7 +46,7 @@ from chameleon_megatron.swap.stage_adjust import (
     Granularity,
     GranularityDecision,
     StageObservation,
-    decide,
+    choose_granularity,
     observe,
 )
 
@@ -76,6 +77,10 @@ class RunTotals:
     profiler_s: float = 0.0
     plan_s: float = 0.0
 
+    SUMMED: ClassVar[tuple[str, ...]] = ("swapped_out_bytes", "swapped_in_bytes", "matched",
+                                         "blocking_swapins", "forced_swaps")
+    """Step counters (``StepCounters``) that add up over the run."""
+
 
 class SwapManager:
     """Drives one executor through the steps of a run."""
@@ -90,8 +95,10 @@ class SwapManager:
         self.cost = cost
         self.rank = rank
         self.rule = rule
-        executor.tracker.layers = config.granularity != "microbatch"  # auto starts per layer
-        self.plan: Plan | None = None
+        # The one place that sets the granularity (auto starts per layer, then ``_switch``).
+        executor.tracker.granularity = "microbatch" if config.granularity == "microbatch" \
+            else "layer"
+        self.plan: SwapPolicy | None = None
         self.plan_version = 0
         self.reference: StepSignature | None = None
         """Signature of the step the plan was built from."""
@@ -133,11 +140,6 @@ class SwapManager:
             ex.tracker.sync = None
         self._finish(iteration, full, counters)
 
-    @property
-    def granularity(self) -> Granularity:
-        """The stage granularity of the next step."""
-        return "layer" if self.executor.tracker.layers else "microbatch"
-
     def _guard_budget(self) -> int | None:
         if self.guard is not None:
             return self.guard
@@ -157,7 +159,7 @@ class SwapManager:
         ex = self.executor
         start = time.perf_counter()
         layers = ex.tracker.layer_signature()
-        signature = layers if ex.tracker.per_layer else coarsen(layers)
+        signature = layers if ex.tracker.step_granularity == "layer" else coarsen(layers)
         tolerance = self.config.size_tolerance
         # Reported: a change since the previous step. Acted on: a change since the plan's step.
         changed = () if self.previous is None else changed_stages(
@@ -172,7 +174,7 @@ class SwapManager:
         profiler_s = time.perf_counter() - start + counters.packs * (
             self.cost.full_s if full else self.cost.light_s)
         used = (self.plan, self.plan_version if self.plan is not None else 0,
-                "layer" if ex.tracker.per_layer else "microbatch")
+                ex.tracker.step_granularity)
         plan_s = 0.0
         if profile is not None:
             start = time.perf_counter()
@@ -193,13 +195,13 @@ class SwapManager:
         budget = resolve_budget(self.budget, profile, oom_factor=self.oom_factor)
         if self.oom_factor < 1.0:
             budget = max(budget, min_feasible_budget(profile, cfg.min_tensor_bytes))
-        plan = generate_plan(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
+        plan = generate_policy(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
                              min_bytes=cfg.min_tensor_bytes, time_limit_s=cfg.plan_time_limit_s)
-        self.executor.set_plan(plan, MatchIndex(profile.records))
+        self.executor.set_policy(plan, MatchIndex(profile.records))
         self.plan, self.guard = plan, None
         self.plan_version += 1
         self.reference = profile.signature
-        if self.executor.tracker.per_layer:
+        if self.executor.tracker.step_granularity == "layer":
             self.layer_reference = profile.signature
         record = {"rank": self.rank, "iteration": iteration, "reason": self.reprofile,
                   "version": self.plan_version, "budget_bytes": plan.budget_bytes,
@@ -221,22 +223,22 @@ class SwapManager:
             self.layer_reference = None  # re-profiled in the next step at layer granularity
         span = max(self.rule.window, self.rule.calm)
         self.observed = (self.observed + [seen])[-span:]
-        decision = decide(self.granularity, self.observed, self.rule)
+        decision = choose_granularity(self.executor.tracker.granularity, self.observed,
+                                      self.rule)
         return decision if decision.switch else None
 
     def _switch(self, decision: GranularityDecision, layers: StepSignature,
                 iteration: int) -> None:
         """Use ``decision.granularity`` from the next step, which profiles fully."""
-        before = self.granularity
-        layer = decision.granularity == "layer"
-        self.executor.tracker.layers = layer
-        self.previous = layers if layer else coarsen(layers)  # changes still reported
+        tracker = self.executor.tracker
+        before, tracker.granularity = tracker.granularity, decision.granularity
+        self.previous = layers if decision.granularity == "layer" else coarsen(layers)
         # The plan's stages are keyed at the old granularity, so none would match: drop it,
         # keeping its budget until the re-profile builds the next plan.
         if self.plan is not None and self.guard is None:
             self.guard = self.plan.budget_bytes
         self.plan = self.reference = None
-        self.executor.set_plan(None, None)
+        self.executor.set_policy(None, None)
         self.reprofile = "granularity"
         self.observed = []
         self.totals.switches += 1
@@ -263,7 +265,7 @@ class SwapManager:
                                        "budget_now": self.guard,
                                        "redo": self.oom_retry})
 
-    def _metrics(self, used: tuple[Plan | None, int, Granularity], full: bool,
+    def _metrics(self, used: tuple[SwapPolicy | None, int, Granularity], full: bool,
                  c: StepCounters, changed: bool, profiler_s: float,
                  plan_s: float) -> dict[str, Any]:
         plan, version, granularity = used
@@ -275,17 +277,7 @@ class SwapManager:
             "planned_out_bytes": plan.planned_out_bytes if plan else 0,
             "planned_tensors": len(plan.decisions) if plan else 0,
             "expected_stall_s": plan.expected_stall_s if plan else 0.0,
-            "swapped_out_bytes": c.swapped_out_bytes,
-            "swapped_in_bytes": c.swapped_in_bytes,
-            "peak_resident_saved_bytes": c.peak_resident_saved_bytes,
-            "peak_saved_bytes": c.peak_saved_bytes,
-            "matched": c.matched,
-            "unmatched": c.unmatched,
-            "prefetches": c.prefetches,
-            "blocking_swapins": c.blocking_swapins,
-            "forced_swaps": c.forced_swaps,
-            "budget_waits": c.budget_waits,
-            "evictions": c.evictions,
+            **dataclasses.asdict(c),
             "sequence_changed": changed,
             "profiler_s": profiler_s,
             "plan_s": plan_s,
@@ -294,21 +286,18 @@ class SwapManager:
         }
 
     def _accumulate(self, c: StepCounters, full: bool, changed: bool, profiler_s: float,
-                    plan_s: float, plan: Plan | None) -> None:
+                    plan_s: float, plan: SwapPolicy | None) -> None:
         t = self.totals
         t.steps += 1
         t.full_steps += full
         t.plans = self.plan_version
         t.changes += changed
-        t.swapped_out_bytes += c.swapped_out_bytes
-        t.swapped_in_bytes += c.swapped_in_bytes
+        for name in RunTotals.SUMMED:
+            setattr(t, name, getattr(t, name) + getattr(c, name))
         if plan is not None:  # a profiling step without a plan swaps nothing
             t.peak_resident_saved_bytes = max(t.peak_resident_saved_bytes,
                                               c.peak_resident_saved_bytes)
         t.peak_saved_bytes = max(t.peak_saved_bytes, c.peak_saved_bytes)
-        t.matched += c.matched
         t.planned += len(plan.decisions) if plan else 0
-        t.blocking_swapins += c.blocking_swapins
-        t.forced_swaps += c.forced_swaps
         t.profiler_s += profiler_s
         t.plan_s += plan_s

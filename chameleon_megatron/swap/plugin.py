@@ -22,13 +22,18 @@ from chameleon_megatron.megatron.swap_seams import SwapSeams
 from chameleon_megatron.swap.budget import BudgetSpec
 from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.swap.copier import copier_for, measure_bandwidth
-from chameleon_megatron.swap.cost import calibrate
+from chameleon_megatron.swap.cost import measure_profiler_cost
 from chameleon_megatron.swap.executor import SwapExecutor
 from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.manager import SwapManager
 from chameleon_megatron.swap.stage import StageTracker
 from chameleon_megatron.swap.summary import summary_table
-from chameleon_megatron.training.plugin import StepAction, TrainContext, TrainerPlugin
+from chameleon_megatron.training.plugin import (
+    StepAction,
+    TrainContext,
+    TrainerHandle,
+    TrainerPlugin,
+)
 from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -85,8 +90,7 @@ class SwapPlugin(TrainerPlugin):
             bandwidth = cfg.bandwidth_gbps * 1e9
         else:
             bandwidth = measure_bandwidth(device) if device.type == "cuda" else CPU_BANDWIDTH_BPS
-        # Auto starts per layer, so the seams install the layer hooks it may need later.
-        tracker = StageTracker(layers=cfg.granularity != "microbatch")
+        tracker = StageTracker()  # its granularity is the manager's to set
         # DDP wrappers shadow Module.buffers with a list attribute: call the method itself.
         held = [t for chunk in ctx.model
                 for t in (*chunk.parameters(), *torch.nn.Module.buffers(chunk))]
@@ -96,7 +100,8 @@ class SwapPlugin(TrainerPlugin):
                                 min_bytes=cfg.min_tensor_bytes, exclude=held)
         self.rank = ctx.rank
         self.manager = SwapManager(cfg, executor, budget=spec, bandwidth_bps=bandwidth,
-                                   cost=calibrate(), rank=ctx.rank)
+                                   cost=measure_profiler_cost(), rank=ctx.rank)
+        # Auto starts per layer, so the seams install the layer hooks it may need later.
         self.seams = SwapSeams(tracker, ctx.model)
         self.seams.install()
         logger.info("swap ready %s", {"rank": ctx.rank, "pp_rank": ctx.pp_rank,
@@ -114,7 +119,8 @@ class SwapPlugin(TrainerPlugin):
             return {}
         return {"swap": dict(self.manager.last_metrics)}
 
-    def on_step_failed(self, exc: BaseException, trainer: Any) -> StepAction | None:
+    def on_step_failed(self, exc: BaseException,
+                       trainer: TrainerHandle) -> StepAction | None:
         """Redo a step that ran out of device memory when the lowered budget can help."""
         if isinstance(exc, torch.OutOfMemoryError) and self.manager is not None \
                 and self.manager.oom_retry and self._step_rng is not None:

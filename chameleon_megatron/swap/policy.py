@@ -54,7 +54,7 @@ class SwapDecision:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SwapPolicy:
     budget_bytes: int
     bandwidth_bps: float
     decisions: tuple[SwapDecision, ...]
@@ -83,8 +83,8 @@ def min_feasible_budget(profile: StepProfile, min_bytes: int) -> int:
     return int(left.max(initial=0))
 
 
-def generate_plan(profile: StepProfile, *, budget_bytes: int, bandwidth_bps: float,
-                  min_bytes: int, time_limit_s: float = 5.0) -> Plan:
+def generate_policy(profile: StepProfile, *, budget_bytes: int, bandwidth_bps: float,
+                    min_bytes: int, time_limit_s: float = 5.0) -> SwapPolicy:
     """The plan of minimum swapped bytes that keeps resident saved bytes within budget."""
     if budget_bytes <= 0 or bandwidth_bps <= 0:
         raise ValueError(f"budget_bytes={budget_bytes} and bandwidth_bps={bandwidth_bps} "
@@ -109,7 +109,7 @@ def generate_plan(profile: StepProfile, *, budget_bytes: int, bandwidth_bps: flo
                               picked.prefetch_event)
     )
     planned = resident - coverage(picked, profile.num_events)
-    return Plan(
+    return SwapPolicy(
         budget_bytes=budget_bytes, bandwidth_bps=bandwidth_bps, decisions=decisions,
         no_swap_peak_bytes=int(resident.max(initial=0)),
         planned_peak_bytes=int(planned.max(initial=0)), min_budget_bytes=floor,

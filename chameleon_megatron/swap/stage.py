@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from types import MappingProxyType
-from typing import Callable, Iterable, Iterator
-
-import torch
+from typing import Callable, Iterator, Literal
 
 from chameleon_megatron.swap.signature import (
     StageKey,
@@ -27,22 +25,26 @@ from chameleon_megatron.swap.signature import (
     StepSignature,
 )
 
+Granularity = Literal["layer", "microbatch"]
+"""What a stage is: forward/backward x microbatch x chunk, and x transformer layer for
+"layer"."""
+
 
 class StageTracker:
     """The current stage of this rank, updated by the seams, read by the pack hook."""
 
-    def __init__(self, *, layers: bool = True) -> None:
-        self.layers = layers
-        """Whether stages are split per transformer layer (else per microbatch and chunk),
-        from the next ``reset`` on. Layer hooks must be installed for either to see layers."""
+    def __init__(self, *, granularity: Granularity = "layer") -> None:
+        self.granularity = granularity
+        """Stages of the steps from the next ``reset`` on: per transformer layer, or per
+        microbatch and chunk. Layer hooks must be installed for either to see layers."""
         self.sync: Callable[[], None] | None = None
         """Called at segment edges while timing must be exact (CUDA full profile)."""
         self.reset()
 
     def reset(self) -> None:
         """Start a new step: forget stage statistics, segments and pending outputs."""
-        self._per_layer = self.layers
-        """Granularity of this step's stages."""
+        self._per_layer = self.granularity == "layer"
+        """This step's granularity (read on the hot path)."""
         self.stats: dict[StageKey, StageStats] = {}
         self._marks: dict[StageKey, list[tuple[int, int, int]]] = {}
         """Microbatch granularity: (layer, codes so far, bytes so far) at each entry."""
@@ -54,9 +56,9 @@ class StageTracker:
         self.current = self._stats_for(-1)
 
     @property
-    def per_layer(self) -> bool:
-        """Whether this step's stages are split per transformer layer."""
-        return self._per_layer
+    def step_granularity(self) -> Granularity:
+        """This step's granularity (``granularity`` may change for the next one)."""
+        return "layer" if self._per_layer else "microbatch"
 
     def signature(self) -> StepSignature:
         """This step's signature at its granularity."""
@@ -149,21 +151,3 @@ def coarsen(layers: StepSignature) -> StepSignature:
                             nbytes=sum(s.nbytes for _, s in group),
                             digest=hash(tuple(sorted((layer, s.digest) for layer, s in group))))
         for key, group in groups.items()}))
-
-
-class LayerHooks:
-    """Forward pre/post hooks that tell a tracker which layer runs; ``remove()`` undoes them."""
-
-    def __init__(self, tracker: StageTracker,
-                 layers: Iterable[tuple[torch.nn.Module, int]]) -> None:
-        self._handles = []
-        for module, number in layers:
-            self._handles.append(module.register_forward_pre_hook(
-                lambda _m, _a, n=number: tracker.enter_layer(n)))
-            self._handles.append(module.register_forward_hook(
-                lambda _m, _a, _o: tracker.exit_layer()))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

@@ -25,12 +25,10 @@ Stage adjusting, gives the measurements behind them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 from chameleon_megatron.swap.signature import StepSignature, changed_stages
-from chameleon_megatron.swap.stage import coarsen
-
-Granularity = Literal["layer", "microbatch"]
+from chameleon_megatron.swap.stage import Granularity, coarsen
 
 
 @dataclass(frozen=True)
@@ -92,8 +90,8 @@ class GranularityDecision:
     """Steps considered (since the last switch, at most the rule's span)."""
 
 
-def decide(current: Granularity, since_switch: Sequence[StageObservation],
-           rule: AdjustRule = AdjustRule()) -> GranularityDecision:
+def choose_granularity(current: Granularity, since_switch: Sequence[StageObservation],
+                       rule: AdjustRule = AdjustRule()) -> GranularityDecision:
     """The granularity for the next step, from the steps observed since the last switch
     (oldest first)."""
     if current == "layer":

@@ -7,11 +7,15 @@ whose hook calls them from the patched ``pretrain_gpt.py``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Literal
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Literal, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from chameleon_megatron.training.engine import StepEngine
 
 StepAction = Literal["redo", "stop"]
 
@@ -40,6 +44,55 @@ class TrainContext:
     """Free-form handles (e.g. the optimizer) for plugins that need them."""
 
 
+class TrainerHandle(Protocol):
+    """What a plugin may see and do of the trainer, and nothing else: the recovery
+    controller resumes it at a step, rebuilds it for a layout, installs a step engine and
+    emits records through it."""
+
+    args: argparse.Namespace
+    """Trainer arguments (read only; a rebuild replaces them)."""
+    device: torch.device
+    iteration: int
+    """Completed iterations (read only: ``resume_at`` moves it)."""
+    consumed_samples: int
+    """Samples consumed by those iterations (read only)."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current world (the metrics writer is rank 0)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def scheduler_state(self) -> dict[str, Any]:
+        """The LR schedule's state (``state_dict``)."""
+
+    def model_and_optimizer(self) -> tuple[list[torch.nn.Module], Any]:
+        """The model chunks and the optimizer trained now."""
+
+    def train_data(self) -> Any:
+        """The training dataset (sample order depends only on the consumed-sample count)."""
+
+    def resume_at(self, *, iteration: int, consumed_samples: int,
+                  scheduler_state: dict[str, Any]) -> None:
+        """Continue after ``iteration`` completed steps (state already loaded)."""
+
+    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int) -> None:
+        """A fresh model, DDP and optimizer for a megatron layout over the new world."""
+
+    def use_engine(self, engine: StepEngine, *, rank: int, world_size: int) -> None:
+        """Train through ``engine`` (a layout megatron's parallel state cannot express)."""
+
+    def load(self, path: str) -> bool:
+        """Load the latest checkpoint under ``path``; False when there is none."""
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """Keep a record and write it to the metrics file (rank 0 writes)."""
+
+    def drop_final_save(self) -> None:
+        """Do not write the checkpoint at the end (this process holds no part of the model)."""
+
+
 class TrainerPlugin:
     """Hooks the trainer calls; subclasses override what they need."""
 
@@ -50,7 +103,8 @@ class TrainerPlugin:
         """Entered around one call of the forward-backward function (train or eval)."""
         return contextlib.nullcontext()
 
-    def on_step_failed(self, exc: BaseException, trainer: Any) -> StepAction | None:
+    def on_step_failed(self, exc: BaseException,
+                       trainer: TrainerHandle) -> StepAction | None:
         """An iteration raised ``exc``: recover and say what the loop does next.
 
         None: not this plugin's business (the next plugin is asked; if none answers, the
@@ -59,12 +113,12 @@ class TrainerPlugin:
         """
         return None
 
-    def on_train_start(self, trainer: Any) -> StepAction | None:
+    def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:
         """Before the first iteration (a member joining a running job is admitted here).
         "stop": leave without training."""
         return None
 
-    def between_steps(self, trainer: Any) -> StepAction | None:
+    def between_steps(self, trainer: TrainerHandle) -> StepAction | None:
         """After an iteration's records, before the next one: a plugin may change the layout
         here (an exception is handled like a failed step). "stop": leave the loop."""
         return None

@@ -11,6 +11,7 @@ from typing import Any
 from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
+from chameleon_megatron.megatron import groups
 from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """One training run on this rank; ``setup()`` then ``train()``, ``close()`` at the end."""
+    """One training run on this rank; ``setup()`` then ``train()``, ``close()`` at the end.
+    Plugins see it as a ``TrainerHandle``."""
 
     def __init__(self, args: argparse.Namespace, cfg: ChameleonConfig,
                  plugins: list[TrainerPlugin] | None = None,
@@ -64,7 +66,12 @@ class Trainer:
             distributed.seed_unplaced(args.seed)
             self.datasets = data.build_datasets(args)
             return
-        distributed.init_process_groups(args, self.env)
+        backend = args.distributed_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        timeout_s = args.distributed_timeout_minutes * 60
+        groups.init_from_launcher(rank=self.env.rank, world_size=self.env.world_size,
+                                  backend=backend, timeout_s=timeout_s)
+        groups.build_uniform(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                             vpp=args.virtual_pipeline_model_parallel_size, timeout_s=timeout_s)
         distributed.seed_everything(args.seed)
         self._build()
         self.datasets = data.build_datasets(args)
@@ -132,6 +139,33 @@ class Trainer:
         self.metrics.close()
         self.metrics = MetricsWriter(self.cfg.metrics.file, enabled=rank == 0)
         self.env = DistEnv(rank=rank, world_size=world_size, local_rank=self.env.local_rank)
+
+    # ----------------------------------------------------------------------------- handle
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def model_and_optimizer(self) -> tuple[list[Any], Any]:
+        return self.model, self.optimizer
+
+    def train_data(self) -> Any:
+        return self.datasets.train
+
+    def resume_at(self, *, iteration: int, consumed_samples: int,
+                  scheduler_state: dict[str, Any]) -> None:
+        self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
+
+    def drop_final_save(self) -> None:
+        self.args = copy.copy(self.args)
+        self.args.save = None
 
     def context(self) -> TrainContext:
         extra = {"optimizer": self.optimizer, "scheduler": self.scheduler}

@@ -1,4 +1,4 @@
-"""patches/apply.py and chameleon_megatron.megatron.megatron_lm against a Megatron-LM layout.
+"""patches/apply.py and chameleon_megatron.megatron_lm against a Megatron-LM layout.
 
 Without network or a checkout, the tests write a synthetic ``pretrain_gpt.py`` holding only
 the lines the patch keys on, and a small stand-in ``megatron.training`` package whose
@@ -24,7 +24,7 @@ import pytest
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.config import add_chameleon_args, build_config
-from chameleon_megatron.megatron import megatron_lm
+from chameleon_megatron import megatron_lm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,7 +80,7 @@ def test_apply_inserts_block_at_top_of_main(tmp_path):
     guard = lines.index('if __name__ == "__main__":')
     assert lines[guard + 1:guard + 6] == [
         "    # >>> chameleon-megatron (patches/apply.py) >>>",
-        "    from chameleon_megatron.megatron.megatron_lm import wrap_pretrain as _chameleon_wrap",
+        "    from chameleon_megatron.megatron_lm import wrap_pretrain as _chameleon_wrap",
         "    pretrain = _chameleon_wrap(pretrain)",
         "    # <<< chameleon-megatron <<<",
         "    # like Megatron-LM's in-process-restart wrapper, this parses the arguments first",
@@ -344,7 +344,7 @@ import runpy
 import sys
 
 import megatron.training.training as training
-from chameleon_megatron.megatron import megatron_lm
+from chameleon_megatron import megatron_lm
 from chameleon_megatron.training.plugin import TrainerPlugin
 
 

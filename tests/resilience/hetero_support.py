@@ -200,13 +200,13 @@ def _move_in_place(sc: Scenario, me: int, live: list, old, rt, store) -> None:
     transfer list of local copies, from the trainer's model into the runtime's."""
     import torch.distributed as dist
 
-    from chameleon_megatron.megatron.groups import recovery_group
+    from chameleon_megatron.megatron.groups import unregistered_gloo_group
     from chameleon_megatron.resilience.decision.placement import kept_in_place
     from chameleon_megatron.resilience.model_state import ModelState
     from chameleon_megatron.resilience.recovery.transfer import migrate
 
-    group = recovery_group(dist.PrefixStore(f"{sc.name}/recovery", store), live.index(me),
-                           len(live), timeout_s=60)
+    group = unregistered_gloo_group(dist.PrefixStore(f"{sc.name}/recovery", store),
+                                    live.index(me), len(live), timeout_s=60)
     migrate(group, live, me, kept_in_place(sc.plan, sc.reroute.failed_ranks),
             old=ModelState(old[0], old[1], role="source"),
             new=ModelState([rt.model], rt.optimizer, role="sink"),

@@ -9,8 +9,9 @@ import torch
 from chameleon_megatron.config import build_config
 from chameleon_megatron.megatron.platform import CpuPlatform
 from chameleon_megatron.resilience.model_state import ModelState, optimizer_slots
-from chameleon_megatron.training import distributed
+from chameleon_megatron.megatron import groups
 from chameleon_megatron.training.arguments import parse_args
+from chameleon_megatron.training.env import DistEnv
 from chameleon_megatron.training.optim import build_scheduler
 from chameleon_megatron.training.trainer import Trainer
 from chameleon_megatron.training.validate import validate_args
@@ -29,13 +30,13 @@ def trainer():
     validate_args(args, 1)
     platform = CpuPlatform()
     platform.apply()
-    run = Trainer(args, build_config(), env=distributed.DistEnv(0, 1, 0))
+    run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
     try:
         run.setup()
         yield run
     finally:
         run.close()
-        distributed.shutdown()
+        groups.destroy()
         platform.remove()
 
 

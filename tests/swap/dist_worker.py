@@ -46,7 +46,7 @@ def main(out_dir: str, layouts_json: str) -> None:
     import torch
 
     from chameleon_megatron.megatron.platform import CpuPlatform
-    from chameleon_megatron.training import distributed
+    from chameleon_megatron.megatron import groups
     from chameleon_megatron.training.env import env_from_torchrun
 
     torch.set_num_threads(1)
@@ -60,7 +60,7 @@ def main(out_dir: str, layouts_json: str) -> None:
             argv = BASE + spec["flags"]
             results[name] = {"off": train(argv, env), "on": train(argv + spec["swap"], env)}
     finally:
-        distributed.shutdown()
+        groups.destroy()
         platform.remove()
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(results))
 

@@ -19,7 +19,7 @@ def mcore_process() -> Iterator[None]:
 
     from chameleon_megatron.megatron.platform import CpuPlatform
     from chameleon_megatron.megatron.te_absent import TeAbsentPatch
-    from chameleon_megatron.training.distributed import free_port
+    from chameleon_megatron.megatron.groups import free_port
 
     platform = CpuPlatform()
     platform.apply()

@@ -50,7 +50,7 @@ def _pin(mgr: SwapManager, granularity: str) -> None:
     """Observe as auto does; switch never, unless ``granularity`` is auto."""
     if granularity != "auto":
         mgr.rule = NEVER
-        mgr.executor.tracker.layers = granularity == "layer"
+        mgr.executor.tracker.granularity = granularity
 
 
 @dataclasses.dataclass

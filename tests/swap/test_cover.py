@@ -12,7 +12,7 @@ from scipy.optimize import linprog
 from chameleon_megatron.swap.cover import (
     _constraint_rows, _cover_matrix, fractional_bound, sweep_cover,
 )
-from chameleon_megatron.swap.policy import generate_plan, min_feasible_budget
+from chameleon_megatron.swap.policy import generate_policy, min_feasible_budget
 from chameleon_megatron.swap.windows import candidate_windows, coverage, resident_curve
 
 from profiles import random_profile
@@ -57,7 +57,7 @@ def test_a_large_profile_is_planned_in_well_under_a_second():
     p = random_profile(rng, 3000, max_bytes=1 << 24)
     budget = (min_feasible_budget(p, 0) + int(resident_curve(p).max())) // 2
     start = time.process_time()
-    plan = generate_plan(p, budget_bytes=budget, bandwidth_bps=float("inf"), min_bytes=0)
+    plan = generate_policy(p, budget_bytes=budget, bandwidth_bps=float("inf"), min_bytes=0)
     assert time.process_time() - start < 1.0
     assert plan.planned_peak_bytes <= budget
     assert plan.planned_out_bytes <= 1.05 * plan.lower_bound_bytes

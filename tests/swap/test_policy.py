@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from chameleon_megatron.swap.policy import BudgetError, generate_plan, min_feasible_budget
+from chameleon_megatron.swap.policy import BudgetError, generate_policy, min_feasible_budget
 from chameleon_megatron.swap.profile import FREE, PACK, USE, StepProfile
 
 from profiles import make_profile, random_profile
@@ -83,7 +83,7 @@ def _hard_cases(seed: int, count: int, min_bytes: int):
 
 def test_minimum_bytes_equal_brute_force_with_instant_copies():
     for _, p, budget in _hard_cases(seed=0, count=40, min_bytes=10):
-        plan = generate_plan(p, budget_bytes=budget, bandwidth_bps=INF, min_bytes=10)
+        plan = generate_policy(p, budget_bytes=budget, bandwidth_bps=INF, min_bytes=10)
         assert plan.planned_out_bytes == _oracle(p, budget, 10, INF) > 0
         assert plan.optimal
         assert max(_plan_curve(p, plan)) <= budget
@@ -93,7 +93,7 @@ def test_minimum_bytes_equal_brute_force_with_finite_bandwidth():
     branches = {"overlapped": 0, "stalled": 0}
     for rng, p, budget in _hard_cases(seed=1, count=40, min_bytes=0):
         bw = rng.choice([20.0, 50.0, 200.0])
-        plan = generate_plan(p, budget_bytes=budget, bandwidth_bps=bw, min_bytes=0)
+        plan = generate_policy(p, budget_bytes=budget, bandwidth_bps=bw, min_bytes=0)
         feasible_with_bw = _oracle(p, budget, 0, bw)
         if feasible_with_bw is not None:  # copies fit in compute: that optimum
             assert plan.planned_out_bytes == feasible_with_bw
@@ -119,7 +119,7 @@ def test_invariants_on_random_profiles(seed):
     budgets = sorted({max(floor, 1), (max(floor, 1) + max(no_swap)) // 2, max(no_swap)})
     previous = None
     for budget in reversed(budgets):  # falling budgets swap no fewer bytes
-        plan = generate_plan(p, budget_bytes=budget, bandwidth_bps=bw, min_bytes=min_bytes)
+        plan = generate_policy(p, budget_bytes=budget, bandwidth_bps=bw, min_bytes=min_bytes)
         curve = _plan_curve(p, plan)
         assert max(curve) <= budget
         assert plan.planned_peak_bytes == max(curve)
@@ -145,12 +145,12 @@ def test_budget_below_what_can_be_swapped_is_a_clear_error():
               (2, USE), (2, FREE)]
     p = make_profile([(50, True), (40, False), (0, False)], events)
     assert min_feasible_budget(p, 0) == 50  # A itself once it is back
-    plan = generate_plan(p, budget_bytes=50, bandwidth_bps=INF, min_bytes=0)
+    plan = generate_policy(p, budget_bytes=50, bandwidth_bps=INF, min_bytes=0)
     assert plan.planned_out_bytes == 50 and plan.planned_peak_bytes == 50
     with pytest.raises(BudgetError, match="budget 49 bytes is below the least achievable 50"):
-        generate_plan(p, budget_bytes=49, bandwidth_bps=INF, min_bytes=0)
+        generate_policy(p, budget_bytes=49, bandwidth_bps=INF, min_bytes=0)
     with pytest.raises(BudgetError, match="least achievable 90"):  # A now below the threshold
-        generate_plan(p, budget_bytes=60, bandwidth_bps=INF, min_bytes=51)
+        generate_policy(p, budget_bytes=60, bandwidth_bps=INF, min_bytes=51)
 
 
 def test_stall_is_stated_when_copies_cannot_overlap():
@@ -160,7 +160,7 @@ def test_stall_is_stated_when_copies_cannot_overlap():
               (2, USE), (2, FREE)]
     p = make_profile([(100, True), (60, False), (1, False)], events,
                      times=[0, 1, 2, 2, 2, 3, 3, 4, 4])
-    plan = generate_plan(p, budget_bytes=101, bandwidth_bps=50.0, min_bytes=0)
+    plan = generate_policy(p, budget_bytes=101, bandwidth_bps=50.0, min_bytes=0)
     d, = plan.decisions
     assert (d.uid, d.out_event, d.prefetch_event, d.prefetch_anchor) == (0, 0, 4, (2, PACK))
     # Out copy 0..2 s: compute waits 2 s at the pack. The copy back starts at C's pack
@@ -174,7 +174,7 @@ def test_no_stall_when_copies_fit_in_compute():
               (0, USE), (0, FREE)]
     p = make_profile([(100, True), (10, False), (10, False)], events,
                      times=[0, 4, 8, 8, 12, 12, 12, 20, 20])
-    plan = generate_plan(p, budget_bytes=110, bandwidth_bps=50.0, min_bytes=0)  # 2 s copies
+    plan = generate_policy(p, budget_bytes=110, bandwidth_bps=50.0, min_bytes=0)  # 2 s copies
     d, = plan.decisions
     # Off from B's pack (the first event 2 s after A's) until B's use (8 s before A's).
     assert (d.uid, d.out_event, d.prefetch_event) == (0, 1, 5)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from chameleon_megatron.swap.signature import StageSignature, StepSignature
-from chameleon_megatron.swap.stage import LayerHooks, StageTracker, coarsen
+from chameleon_megatron.megatron.swap_seams import LayerHooks
+from chameleon_megatron.swap.stage import StageTracker, coarsen
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,7 +38,7 @@ def test_tracker_follows_segments_and_layers():
 
 
 def test_microbatch_granularity_ignores_layers():
-    tr = StageTracker(layers=False)
+    tr = StageTracker(granularity="microbatch")
     with tr.forward(0):
         tr.enter_layer(5)
         assert tr.current.key == ("F", 0, 0, -1)
@@ -72,7 +73,7 @@ def _count(tracker: StageTracker, t: torch.Tensor) -> torch.Tensor:
 
 
 def test_microbatch_stages_still_know_each_layers_signature():
-    fine, coarse = StageTracker(layers=True), StageTracker(layers=False)
+    fine, coarse = StageTracker(granularity="layer"), StageTracker(granularity="microbatch")
     _toy_step(fine)
     _toy_step(coarse)
     assert {k[3] for k in fine.stats} == {-1, 1, 2} and {k[3] for k in coarse.stats} == {-1}
@@ -94,12 +95,12 @@ def test_coarsen_sums_layers_and_keeps_their_order_in_the_digest():
 
 
 def test_granularity_changes_at_the_next_step():
-    tr = StageTracker(layers=True)
+    tr = StageTracker(granularity="layer")
     with tr.forward(0):
-        tr.layers = False  # mid-step: this step keeps its layers
+        tr.granularity = "microbatch"  # mid-step: this step keeps its layers
         tr.enter_layer(3)
-        assert tr.current.key == ("F", 0, 0, 3) and tr.per_layer
+        assert tr.current.key == ("F", 0, 0, 3) and tr.step_granularity == "layer"
     tr.reset()
     with tr.forward(0):
         tr.enter_layer(3)
-        assert tr.current.key == ("F", 0, 0, -1) and not tr.per_layer
+        assert tr.current.key == ("F", 0, 0, -1) and tr.step_granularity == "microbatch"

@@ -13,7 +13,7 @@ import torch
 from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.swap.signature import StageSignature, StepSignature
 from chameleon_megatron.swap.stage_adjust import (
-    AdjustRule, StageObservation, decide, observe,
+    AdjustRule, StageObservation, choose_granularity, observe,
 )
 from chameleon_megatron.swap.summary import summary_row
 
@@ -30,31 +30,31 @@ CALM = StageObservation(0, 0)
 
 # ---------------------------------------------------------------- the pure rule
 def test_recurring_hidden_reprofiles_switch_to_microbatch():
-    d = decide("layer", [CALM, HIDDEN, CALM, HIDDEN])
+    d = choose_granularity("layer", [CALM, HIDDEN, CALM, HIDDEN])
     assert (d.granularity, d.switch, d.hidden, d.steps) == ("microbatch", True, 2, 4)
     assert d.reason == "per-layer churn"
 
 
 def test_one_off_and_visible_changes_keep_layers():
-    assert not decide("layer", [CALM, HIDDEN, CALM, CALM]).switch  # one drift, then steady
-    d = decide("layer", [VISIBLE] * 8)  # changes the microbatch stages see too
+    assert not choose_granularity("layer", [CALM, HIDDEN, CALM, CALM]).switch  # one drift, then steady
+    d = choose_granularity("layer", [VISIBLE] * 8)  # changes the microbatch stages see too
     assert (d.granularity, d.switch, d.hidden) == ("layer", False, 0)
 
 
 def test_only_the_window_counts_at_layer_granularity():
-    assert decide("layer", [HIDDEN] + [CALM] * 6 + [HIDDEN]).switch  # 2 in the last 8
-    d = decide("layer", [HIDDEN] + [CALM] * 7 + [HIDDEN])  # the first fell out
+    assert choose_granularity("layer", [HIDDEN] + [CALM] * 6 + [HIDDEN]).switch  # 2 in the last 8
+    d = choose_granularity("layer", [HIDDEN] + [CALM] * 7 + [HIDDEN])  # the first fell out
     assert (d.switch, d.hidden, d.steps) == (False, 1, 8)
-    assert decide("layer", [HIDDEN, HIDDEN], AdjustRule(window=2, churn=2)).switch
+    assert choose_granularity("layer", [HIDDEN, HIDDEN], AdjustRule(window=2, churn=2)).switch
 
 
 def test_microbatch_returns_to_layers_after_calm_steps_only():
-    d = decide("microbatch", [HIDDEN] + [CALM] * 32)
+    d = choose_granularity("microbatch", [HIDDEN] + [CALM] * 32)
     assert (d.granularity, d.switch, d.reason, d.steps) == ("layer", True, "layers steady", 32)
-    assert not decide("microbatch", [CALM] * 31).switch  # too soon after the switch
-    d = decide("microbatch", [CALM] * 31 + [HIDDEN])
+    assert not choose_granularity("microbatch", [CALM] * 31).switch  # too soon after the switch
+    d = choose_granularity("microbatch", [CALM] * 31 + [HIDDEN])
     assert (d.granularity, d.switch, d.hidden) == ("microbatch", False, 1)
-    assert decide("microbatch", [VISIBLE] * 32).switch  # both see it: layers cost nothing
+    assert choose_granularity("microbatch", [VISIBLE] * 32).switch  # both see it: layers cost nothing
 
 
 @pytest.mark.parametrize("rule", [AdjustRule(), AdjustRule(window=4, churn=2, calm=6)])
@@ -69,7 +69,7 @@ def test_hysteresis_switches_are_never_on_consecutive_steps(rule):
             churny ^= rng.random() < 0.05
             since.append(HIDDEN if churny and rng.random() < 0.5 else
                          rng.choice([CALM, CALM, VISIBLE]))
-            d = decide(current, since, rule)
+            d = choose_granularity(current, since, rule)
             if d.switch:
                 if last is not None:
                     assert step - last >= (rule.churn if d.granularity == "microbatch"
@@ -91,7 +91,7 @@ def test_a_bad_rule_is_a_clear_error(kwargs, message):
 
 def test_an_unknown_granularity_is_a_clear_error():
     with pytest.raises(ValueError, match="granularity 'token' must be 'layer' or 'microbatch'"):
-        decide("token", [CALM])  # type: ignore[arg-type]
+        choose_granularity("token", [CALM])  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- observations

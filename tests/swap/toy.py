@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chameleon_megatron.swap.stage import LayerHooks, StageTracker
+from chameleon_megatron.megatron.swap_seams import LayerHooks
+from chameleon_megatron.swap.stage import StageTracker
 
 
 class Block(nn.Module):
@@ -117,7 +118,7 @@ def make_manager(model: nn.Module, cfg, *, bandwidth_bps: float = 10e9, layers: 
     from chameleon_megatron.swap.hostpool import HostPool
     from chameleon_megatron.swap.manager import SwapManager
 
-    tracker = StageTracker(layers=layers)
+    tracker = StageTracker(granularity="layer" if layers else "microbatch")
     if layers and hasattr(model, "blocks"):
         layer_hooks(model, tracker)
     ex = SwapExecutor(tracker, copier=copier or SyncCopier(),

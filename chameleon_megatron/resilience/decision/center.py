@@ -8,10 +8,10 @@ spares, the restorer's transfer list, the gradient-sync groups of a plan, whethe
 must fall back to its checkpoint, and the decision record. Modes:
 
 * ``megatron``: a uniform layout, trained by megatron's own parallel state;
-* ``hetero``: pipelines of different depths, splits or shares (``hetero_step``);
-* ``reroute``: the current plan kept, the dead ranks' microbatches rerouted (``reroute_step``).
+* ``hetero``: pipelines of different depths, splits or shares (``runtime``);
+* ``reroute``: the current plan kept, the dead ranks' microbatches rerouted (``rerouted``).
 
-The last two need a model the plan runtime executes (``hetero_plan.check_supported``);
+The last two need a model the plan runtime executes (``placement.check_plan_runtime``);
 without one the re-plan is restricted to uniform layouts and rerouting is not executed.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ does (issue item 4).
 ``Feedback`` is the one place that keeps measurements (passed explicitly, no globals): the
 controller calls ``start`` when a layout begins (after a recovery, with the estimate the
 decision used), ``step`` after every training step, and calibrates the next decision's
-profile on ``observations()`` (``runtime_profile``). Each layout yields one
+profile on ``observations()`` (``live_profile``). Each layout yields one
 ``{"event": "estimator", ...}`` record once enough steps are measured.
 """
 

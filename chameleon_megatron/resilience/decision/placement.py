@@ -95,7 +95,7 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
     return next((message for ok, message in limits if not ok), None)
 
 
-def check_supported(args: argparse.Namespace, plan: Plan) -> None:
+def check_plan_runtime(args: argparse.Namespace, plan: Plan) -> None:
     """Refuse, before any work, what the plan runtime does not execute yet."""
     refusal = plan_refusal(args, plan)
     if refusal is not None:

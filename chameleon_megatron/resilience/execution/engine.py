@@ -1,5 +1,5 @@
 """A plan's runtime as the trainer's step engine (``training/engine.py``): heterogeneous
-pipelines run ``hetero_step``, a kept layout with dead ranks runs ``reroute_step``."""
+pipelines run ``runtime``, a kept layout with dead ranks runs ``rerouted``."""
 
 from __future__ import annotations
 

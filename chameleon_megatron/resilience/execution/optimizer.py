@@ -6,7 +6,7 @@ groups as megatron forms them (no weight decay on biases and 1-D parameters, the
 ``wd_mult``/``max_lr``/``min_lr`` keys its LR scheduler reads), clipping by megatron's own
 ``clip_grad_by_total_norm_fp32`` with the global norm, then torch's AdamW (megatron's
 optimizer on a host without TransformerEngine or apex; with them megatron takes their fused
-AdamW, the same update up to rounding). ``layer_state.ModelState`` reads its state like a
+AdamW, the same update up to rounding). ``model_state.ModelState`` reads its state like a
 megatron optimizer's (``.optimizer`` is the torch optimizer).
 """
 
@@ -16,7 +16,8 @@ import argparse
 from typing import Callable
 
 import torch
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from chameleon_megatron.megatron import plan_seams
 
 
 def param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
@@ -55,6 +56,6 @@ class PlanOptimizer:
         norm = None
         if self.clip_grad > 0:
             norm = self._grad_norm()
-            clip_grad_by_total_norm_fp32(self._params, self.clip_grad, norm)
+            plan_seams.clip_grads(self._params, self.clip_grad, norm)
         self.optimizer.step()
         return True, norm, None

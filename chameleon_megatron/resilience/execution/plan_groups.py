@@ -7,7 +7,7 @@ Every rank creates every group, in one order derived from the plan alone
 
 1. one group per live rank alone (megatron's TP and CP groups at tp = 1);
 2. with ``pipelines``: one group per pipeline, for megatron's 1F1B schedule;
-3. the gradient all-reduce groups, round by round (``hetero_sync.SyncSpec``);
+3. the gradient all-reduce groups, round by round (``grad_sync.SyncSpec``);
 4. the groups of the tied embedding's copies.
 """
 

@@ -2,7 +2,7 @@
 by its healthy same-stage peers in other pipelines.
 
 Runs the routed schedule (``reroute_schedule``) on a runtime built with the rerouting plan
-(``hetero_step.build_runtime(..., reroute=...)``); no state moves, every survivor keeps its
+(``runtime.build_runtime(..., reroute=...)``); no state moves, every survivor keeps its
 stage. Each op uses megatron-core's own ``forward_step`` and ``backward_step`` (looked up at
 call time, so the swap seams wrap them here too); activations and gradients travel between
 the ranks of each microbatch's route by point-to-point messages of the world group. Then the
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import schedules
-from megatron.core.utils import get_model_type
 
-from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron import groups, plan_seams
 from chameleon_megatron.resilience.decision.placement import microbatch_ids
 from chameleon_megatron.resilience.decision.reroute_schedule import Op, routes, schedule
 from chameleon_megatron.resilience.execution.runtime import (
@@ -90,22 +88,21 @@ class _Runner:
 
     def forward(self, op: Op, *, keep: bool = True) -> None:
         x = self._recv(op.recv, requires_grad=keep)
-        out, tokens = schedules.forward_step(
+        out, tokens = plan_seams.forward_one(
             plan_forward_step, iter([self.batches(op.microbatch)]), self.rt.model,
-            num_microbatches=1, input_tensor=x, forward_data_store=self.reports,
-            config=self.config, cp_group_size=1, current_microbatch=op.microbatch,
-            is_last_stage=self.last)
+            input_tensor=x, reports=self.reports, config=self.config,
+            microbatch=op.microbatch, is_last_stage=self.last)
         self.tokens += int(tokens)
         if op.send is not None:  # a copy travels: the output's storage is freed next
             self._send(out.detach().clone(), op.send)
         if keep:  # for the backward
-            schedules.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+            plan_seams.release_output(out, self.config)
             self.saved[op.microbatch] = (x, out)
 
     def backward(self, op: Op) -> None:
         x, out = self.saved.pop(op.microbatch)
         grad = self._recv(op.recv, requires_grad=False)
-        grad_x = schedules.backward_step(x, out, grad, get_model_type(self.rt.model), self.config)
+        grad_x = plan_seams.backward_one(x, out, grad, self.rt.model, self.config)
         if op.send is not None:
             self._send(grad_x, op.send)
 

@@ -1,8 +1,8 @@
 """Training a plan whose pipelines have different depths, layer splits and microbatch shares.
 
-``build_runtime`` gives each rank its stage (``hetero_model``), its groups
-(``hetero_groups``), the per-layer gradient sync (``hetero_sync``) and the optimizer
-(``hetero_optim``). ``run_hetero_step`` runs megatron-core's 1F1B schedule in each pipeline
+``build_runtime`` gives each rank its stage (``stage_model``), its groups
+(``plan_groups``), the per-layer gradient sync (``grad_sync``) and the optimizer
+(``optimizer``). ``run_hetero_step`` runs megatron-core's 1F1B schedule in each pipeline
 over the pipeline's own group, with the sync as the schedule's ``finalize_model_grads_func``,
 then the optimizer step. The global batch is the failure-free one: global microbatch g holds
 samples ``consumed + g * micro ...``, each pipeline runs its share of them
@@ -10,7 +10,7 @@ samples ``consumed + g * micro ...``, each pipeline runs its share of them
 token count, so the step computes what the failure-free step computes.
 
 The same runtime, built with a rerouting plan (the kept layout and its dead ranks), serves
-rerouting (``reroute_step``).
+rerouting (``rerouted``).
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.process_groups_config import ProcessGroupCollection
 
+from chameleon_megatron.megatron import plan_seams
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.placement import (
     Slot,
-    check_supported,
+    check_plan_runtime,
     microbatch_ids,
     slot_of,
 )
@@ -55,7 +52,7 @@ def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.dev
     return batch
 
 
-def forward_step(data_iterator: Iterator[dict], model: GPTModel):
+def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
     """The trainer's forward step, with the cross entropy computed here: megatron's reads the
     global tensor-parallel group, which a plan does not set up."""
     batch = next(data_iterator)
@@ -78,21 +75,20 @@ class PlanRuntime:
     """This rank's id in the plan."""
     reroute: ReroutePlan | None
     """The rerouting this runtime executes (None: the plan's pipelines run whole)."""
-    model: GPTModel
+    model: torch.nn.Module
+    """This rank's stage (megatron-core's ``GPTModel``)."""
     optimizer: PlanOptimizer
     sync: GradSync
     groups: PlanGroups
-    p2p: P2PCommunicator | None
+    p2p: Any
     """megatron's communicator over this rank's pipeline (None: depth 1 or rerouting)."""
 
     @property
     def slot(self) -> Slot:
         return self.groups.slot
 
-    def schedule_groups(self) -> ProcessGroupCollection:
-        return ProcessGroupCollection(tp=self.groups.solo, cp=self.groups.solo,
-                                      pp=self.groups.pipeline, embd=None, pos_embd=None,
-                                      dp_cp=None)
+    def schedule_groups(self) -> Any:
+        return plan_seams.stage_groups(self.groups.solo, self.groups.pipeline)
 
 
 def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
@@ -103,11 +99,12 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     stages and gets megatron's random init: load the real state (and RNG streams) next.
 
     ``sync_groups``/``sync_rounds``: the restorer's all-reduce groups and DSATUR rounds for
-    ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer_plan.allreduce_groups`` and
+    ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer.allreduce_groups`` and
     ``allreduce_rounds``); ``world``: plan rank -> world rank of every live rank (for a
     heterogeneous plan in ``stage_major_order``); ``reroute``: the rerouting plan of ``plan``
     when its dead ranks' work is rerouted. Collective over the world."""
-    check_supported(args, plan)
+    check_plan_runtime(args, plan)
+    plan_seams.check_plan_seams()
     if reroute is not None and reroute.plan != plan:
         raise ValueError("the rerouting plan is for another plan than the one given")
     dead = frozenset(reroute.failed_ranks if reroute else ())
@@ -122,7 +119,8 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     model.config.finalize_model_grads_func = sync
     model.config.grad_scale_func = None
     depth = plan.pipelines[groups.slot.pipeline].depth
-    p2p = P2PCommunicator(groups.pipeline, model.config) if reroute is None and depth > 1 else None
+    p2p = (plan_seams.p2p_communicator(groups.pipeline, model.config)
+           if reroute is None and depth > 1 else None)
     return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model,
                        optimizer=optimizer, sync=sync, groups=groups, p2p=p2p)
 
@@ -136,7 +134,7 @@ def hetero_train(rt: PlanRuntime, batches: Batches) -> Applied:
     """This rank's pipeline runs megatron's 1F1B over its microbatches, gradients are synced
     per layer, the optimizer steps. The LR scheduler is the caller's (as in the trainer)."""
     if rt.reroute is not None:
-        raise ValueError("this runtime reroutes: train it with reroute_step.reroute_train")
+        raise ValueError("this runtime reroutes: train it with rerouted.reroute_train")
     rt.optimizer.zero_grad()
     return apply_update(rt, _pipeline_schedule(rt, batches, forward_only=False))
 
@@ -155,8 +153,7 @@ def hetero_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
 def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool) -> list[dict]:
     ids = microbatch_ids(rt.plan)[rt.slot.pipeline]
     depth = rt.plan.pipelines[rt.slot.pipeline].depth
-    schedule = get_forward_backward_func(pp_size=depth, vp_size=None)
-    return schedule(
+    return plan_seams.pipeline_schedule(depth)(
         forward_step_func=forward_step, data_iterator=(batches(g) for g in ids),
         model=rt.model, num_microbatches=len(ids), seq_length=rt.args.seq_length,
         micro_batch_size=rt.args.micro_batch_size, forward_only=forward_only,

@@ -27,10 +27,11 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.nodes import NodeWatch, publish_launch
 from chameleon_megatron.resilience.launch.store_loss import StoreLost
-from chameleon_megatron.resilience.launch.worker_pool import Member, Slot, WorkerPool
+from chameleon_megatron.resilience.launch.worker_pool import Member, WorkerPool, WorkerSlot
 from chameleon_megatron.resilience.store.job_store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ChameleonAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` whose workers outlive each other's failures."""
 
     def __init__(self, *args: Any, ft: ResilienceConfig, **kwargs: Any) -> None:
+        torch_seams.check_agent_hooks(LocalElasticAgent)
         super().__init__(*args, **kwargs)
         self._ft = ft
         self._node = f"{socket.gethostname()}:{os.getpid()}"
@@ -60,14 +62,11 @@ class ChameleonAgent(LocalElasticAgent):
         self._pool = WorkerPool(job, self._ft, node=self._node, nodes=self._nodes)
         started_at = time.time()
         pids = super()._start_workers(worker_group)
-        pcontext = self._pcontext
-        if not hasattr(pcontext, "subprocess_handlers"):
-            raise ValueError("--chameleon-ft needs workers started as commands, not --run-path")
+        started = torch_seams.started_workers(self)
         for w in worker_group.workers:
-            proc = pcontext.subprocess_handlers[w.local_rank].proc
-            slot = Slot(w.local_rank, tuple(proc.args),
-                        {**os.environ, **pcontext.envs[w.local_rank]},
-                        pcontext.stdouts[w.local_rank], pcontext.stderrs[w.local_rank])
+            proc, env, stdout, stderr = started[w.local_rank]
+            slot = WorkerSlot(w.local_rank, tuple(proc.args), {**os.environ, **env}, stdout,
+                              stderr)
             self._pool.add(Member(w.global_rank, slot, proc, started_at))
         return pids
 
@@ -110,10 +109,10 @@ class ChameleonAgent(LocalElasticAgent):
         if pool.any_succeeded():
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values=dict.fromkeys(pool.members))
-        error_files = self._pcontext.error_files  # type: ignore[union-attr]
         failures = {
             m.rank: ProcessFailure(local_rank=m.slot.local_rank, pid=m.proc.pid,
-                                   exitcode=m.exitcode, error_file=error_files[m.slot.local_rank])
+                                   exitcode=m.exitcode,
+                                   error_file=torch_seams.error_file(self, m.slot.local_rank))
             for m in pool.members.values()
         }
         return RunResult(state=WorkerState.FAILED, failures=failures)

@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.nodes import NodeWatch, read_launch, register_joined_node
-from chameleon_megatron.resilience.launch.worker_pool import Slot, WorkerPool
+from chameleon_megatron.resilience.launch.worker_pool import WorkerPool, WorkerSlot
 from chameleon_megatron.resilience.store.job_store import AGENT_ENV, JobStore
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ def run_joining_node(args: argparse.Namespace, ft: ResilienceConfig) -> int:
         try:
             now = time.time()
             for local_rank in range(config.nproc_per_node):
-                pool.spawn(Slot(local_rank, (cmd, *cmd_args),
-                                {**base_env, "LOCAL_RANK": str(local_rank)}), now)
+                pool.spawn(WorkerSlot(local_rank, (cmd, *cmd_args),
+                                      {**base_env, "LOCAL_RANK": str(local_rank)}), now)
             return _watch(pool, nodes, config.monitor_interval)
         finally:
             pool.stop_joiners(signal.SIGTERM, timeout_s=30)

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Slot:
+class WorkerSlot:
     """How a worker of one local slot is started."""
 
     local_rank: int
@@ -51,7 +51,7 @@ class Member:
 
     rank: int
     """Launch rank; a joiner's join id."""
-    slot: Slot
+    slot: WorkerSlot
     proc: subprocess.Popen
     started_at: float
     joiner: bool = False
@@ -106,7 +106,7 @@ class WorkerPool:
     def any_succeeded(self) -> bool:
         return any(m.exitcode == 0 for m in self.members.values())
 
-    def spawn(self, slot: Slot, now: float, *, replaces: int | None = None) -> Member:
+    def spawn(self, slot: WorkerSlot, now: float, *, replaces: int | None = None) -> Member:
         """Start a joiner in ``slot`` (in place of failed rank ``replaces``, if any)."""
         join_id = allocate_join_id(self._job, int(slot.env["WORLD_SIZE"]))
         # RANK: the launch rank of the slot it restarts; its join id in a joining node's slot

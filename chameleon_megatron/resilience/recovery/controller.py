@@ -23,7 +23,6 @@ rebuild, transfers) happen here and nowhere else.
 
 from __future__ import annotations
 
-import copy
 import datetime
 import json
 import logging
@@ -70,7 +69,7 @@ from chameleon_megatron.resilience.recovery.transfer import MigrationError, migr
 from chameleon_megatron.resilience.store.announce import failure_count, read_failures
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
-from chameleon_megatron.training.plugin import StepAction
+from chameleon_megatron.training.plugin import StepAction, TrainerHandle
 from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -97,11 +96,11 @@ class Held:
     keep: tuple = ()
 
     @classmethod
-    def of(cls, trainer: Any, rng: dict[str, Any]) -> Held:
+    def of(cls, trainer: TrainerHandle, rng: dict[str, Any]) -> Held:
         run = RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-                       scheduler=trainer.scheduler.state_dict(), rng=rng)
-        return cls(run, ModelState(trainer.model, trainer.optimizer, role="source"),
-                   (trainer.model, trainer.optimizer))
+                       scheduler=trainer.scheduler_state(), rng=rng)
+        model, optimizer = trainer.model_and_optimizer()
+        return cls(run, ModelState(model, optimizer, role="source"), (model, optimizer))
 
     @classmethod
     def nothing(cls) -> Held:
@@ -159,7 +158,7 @@ class RecoveryController:
         self.detector.hold(self.ft.startup_timeout_s)
 
     # ----------------------------------------------------------------------- entry
-    def handle(self, exc: BaseException, trainer: Any) -> StepAction | None:
+    def handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         """A step raised ``exc``: recover and say what the trainer does next (None: this
         rank's own error, it must die and be announced)."""
         if not is_communication_error(exc):
@@ -177,7 +176,7 @@ class RecoveryController:
                           "fallback": "restart", "error": message})
             raise RecoveryFailed(message) from lost
 
-    def _handle(self, exc: BaseException, trainer: Any) -> StepAction | None:
+    def _handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         abandoned = time.time()
         timeouts = self.detector.timeouts
         if not self.detector.wait_for_failures(timeouts.rendezvous_s):
@@ -192,7 +191,7 @@ class RecoveryController:
         self._cause, self._invited = "failure", ()
         return self._serve(trainer, held, abandoned, timeouts)
 
-    def _serve(self, trainer: Any, held: Held, started: float,
+    def _serve(self, trainer: TrainerHandle, held: Held, started: float,
                timeouts: Timeouts) -> StepAction:
         """Recover into the next layout; a spare waits for a later generation (or the end)."""
         while True:
@@ -200,8 +199,7 @@ class RecoveryController:
                 return "redo"
             if wait_as_spare(self.job, self.generation, on_wait=self.detector.beat) == "done":
                 # A spare holds no part of the model: it must not join the final checkpoint.
-                trainer.args = copy.copy(trainer.args)
-                trainer.args.save = None
+                trainer.drop_final_save()
                 return "stop"
             held, started, timeouts = Held.nothing(), time.time(), self.detector.timeouts
 
@@ -213,13 +211,13 @@ class RecoveryController:
             if record is not None:
                 self._feedback_record = record
 
-    def between_steps(self, trainer: Any) -> StepAction | None:
+    def between_steps(self, trainer: TrainerHandle) -> StepAction | None:
         """Admit waiting joiners, or leave rerouting when a re-plan now scores better: all
         active ranks agree (one all-reduce) and change layout together."""
         record, self._feedback_record = self._feedback_record, None
         if record is not None:
             trainer.emit(record)
-        replan = record is not None and self.reroute is not None and trainer.env.rank == 0 \
+        replan = record is not None and self.reroute is not None and trainer.rank == 0 \
             and self._replan_now_wins(trainer)
         flags = torch.tensor([self.joiners.waiting(), int(replan)], dtype=torch.int64,
                              device=reduction_device())
@@ -237,7 +235,7 @@ class RecoveryController:
         action = self._serve(trainer, held, time.time(), self.detector.timeouts)
         return "stop" if action == "stop" else None
 
-    def _replan_now_wins(self, trainer: Any) -> bool:
+    def _replan_now_wins(self, trainer: TrainerHandle) -> bool:
         """The decision center, with the step times measured since the rerouting, for the
         same survivors: does it now choose the re-plan?"""
         members = [r for r in self.members if r not in self.reroute.failed_ranks]
@@ -255,7 +253,7 @@ class RecoveryController:
             self.joiners.admit(rank, self.generation + 1)
         self._invited = invited
 
-    def join(self, trainer: Any) -> StepAction:
+    def join(self, trainer: TrainerHandle) -> StepAction:
         """This process joins the running job: wait to be invited, then recover into the
         generation that admits it (holding nothing); "stop" when the job ends first."""
         generation = self.joiners.wait_for_invitation(self.me, on_wait=self.detector.beat)
@@ -279,7 +277,7 @@ class RecoveryController:
             self.watcher.stop()
 
     # ----------------------------------------------------------------------- attempts
-    def _recover(self, trainer: Any, held: Held, timeouts: Timeouts, abandoned: float) -> bool:
+    def _recover(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts, abandoned: float) -> bool:
         """Recover under successive generations until one succeeds; True when this rank is
         active in the new layout, False when it is a spare."""
         clock: PhaseClock | None = None
@@ -321,7 +319,7 @@ class RecoveryController:
             time.sleep(0.05)
         return True
 
-    def _attempt(self, trainer: Any, held: Held, timeouts: Timeouts, membership: Membership,
+    def _attempt(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts, membership: Membership,
                  clock: PhaseClock) -> bool:
         scope = self.job.scoped(f"gen/{membership.generation}")
         run_state.publish(scope, self.me, held.run)
@@ -343,7 +341,7 @@ class RecoveryController:
             if active:
                 self._load_checkpoint(trainer)
         else:
-            sink = (ModelState(trainer.model, trainer.optimizer, role="sink") if active
+            sink = (ModelState(*trainer.model_and_optimizer(), role="sink") if active
                     else _NoState())
             report = migrate(group, membership.members, self.me, decision.transfers,
                              old=held.view, new=sink, timeout_s=timeouts.rendezvous_s,
@@ -356,7 +354,7 @@ class RecoveryController:
         return active
 
     # ----------------------------------------------------------------------- the steps
-    def _decision(self, trainer: Any, scope: Any, membership: Membership, agreed: Agreed,
+    def _decision(self, trainer: TrainerHandle, scope: Any, membership: Membership, agreed: Agreed,
                   timeouts: Timeouts) -> RecoveryDecision:
         """The leader (the lowest fresh member: it trained the current layout up to now and
         measured its step time) decides for everyone and publishes the decision."""
@@ -368,7 +366,7 @@ class RecoveryController:
             raise RecoveryFailed(f"generation {membership.generation}: {data['error']}")
         return RecoveryDecision.from_dict(data)
 
-    def _decide(self, trainer: Any, membership: Membership, agreed: Agreed) -> dict[str, Any]:
+    def _decide(self, trainer: TrainerHandle, membership: Membership, agreed: Agreed) -> dict[str, Any]:
         args = trainer.args
         try:
             profile = runtime_profile(args, path=self.ft.profile,
@@ -392,7 +390,7 @@ class RecoveryController:
         times = [min(max(f.failed_at, self.started_at), now) for f in read_failures(self.job)]
         return MtbfEstimator(prior_s=self.ft.mtbf_prior_s).expected_s(times, now, self.started_at)
 
-    def _rebuild(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
+    def _rebuild(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
                  timeouts: Timeouts) -> None:
         rank, size = decision.active.index(self.me), len(decision.active)
         join_world(self.job, membership, rank, size, backend=self.backend,
@@ -409,19 +407,19 @@ class RecoveryController:
             world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
             timeout_s=timeouts.rendezvous_s)
         self._keepalive()
-        trainer.use_engine(PlanEngine(runtime, trainer.datasets.train, trainer.device),
+        trainer.use_engine(PlanEngine(runtime, trainer.train_data(), trainer.device),
                            rank=rank, world_size=size)
 
-    def _load_checkpoint(self, trainer: Any) -> None:
+    def _load_checkpoint(self, trainer: TrainerHandle) -> None:
         path = trainer.args.save or trainer.args.load
         if not path or not trainer.load(path):
             raise RecoveryFailed(f"some state has no surviving copy and there is no checkpoint "
                                  f"to fall back to (--save/--load: {path!r})")
-        if trainer.env.rank == 0:
+        if trainer.rank == 0:
             logger.warning("some state has no surviving copy: resumed from the checkpoint of "
                            "iteration %d under %s", trainer.iteration, path)
 
-    def _finish(self, trainer: Any, membership: Membership, decision: RecoveryDecision,
+    def _finish(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
                 clock: PhaseClock, moved: int, active: bool) -> None:
         new = membership.failed - self.known_failed
         failures = [f for f in read_failures(self.job) if f.rank in new]
@@ -448,7 +446,7 @@ class RecoveryController:
             fallback=decision.fallback, cause=self._cause,
             joined=set(self._invited) & set(membership.members))
         trainer.emit(record)
-        if trainer.env.rank == 0:
+        if trainer.rank == 0:
             logger.info(summary(record))
 
 
@@ -477,12 +475,11 @@ def _agree(states: dict[int, RunState]) -> Agreed:
                   stale=tuple(sorted(states)))
 
 
-def _resume_at(trainer: Any, agreed: Agreed, states: dict[int, RunState],
+def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunState],
                donor: int | None) -> None:
     """The run state of the newest completed step: position, LR schedule, RNG streams."""
-    trainer.iteration = agreed.iteration
-    trainer.consumed_samples = agreed.consumed_samples
-    trainer.scheduler.load_state_dict(agreed.scheduler)  # a fresh schedule: adds its steps
+    trainer.resume_at(iteration=agreed.iteration, consumed_samples=agreed.consumed_samples,
+                      scheduler_state=agreed.scheduler)
     if donor is not None:
         set_rng_state(states[donor].rng)
 

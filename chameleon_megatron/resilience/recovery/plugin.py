@@ -37,12 +37,17 @@ from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import check_profile
 from chameleon_megatron.resilience.store.job_store import RELAUNCH_ENV, JobStore
 from chameleon_megatron.resilience.store.joiners import join_id_from_env
-from chameleon_megatron.training.plugin import StepAction, TrainContext, TrainerPlugin
+from chameleon_megatron.training.plugin import (
+    StepAction,
+    TrainContext,
+    TrainerHandle,
+    TrainerPlugin,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def check_supported(ctx: TrainContext, ft: ResilienceConfig) -> None:
+def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
     """Refuse, before training, what in-memory recovery cannot do (ConfigError/ValueError)."""
     args = ctx.args
     if ctx.vpp_size > 1:
@@ -78,7 +83,7 @@ class ResiliencePlugin(TrainerPlugin):
                                                  ctx.extra["optimizer"], lambda: self._iteration)
 
     def _start(self, ctx: TrainContext) -> RecoveryController:
-        check_supported(ctx, self.ft)
+        check_recoverable(ctx, self.ft)
         a = ctx.args
         layout = UniformLayout(tp=a.tensor_model_parallel_size,
                                pp=a.pipeline_model_parallel_size, dp=a.data_parallel_size)
@@ -96,12 +101,12 @@ class ResiliencePlugin(TrainerPlugin):
             injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
             plan=plan, backend=backend)
 
-    def on_train_start(self, trainer: Any) -> StepAction | None:
+    def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:
         relaunch = os.environ.get(RELAUNCH_ENV)
         if relaunch is not None:
             record = {"event": "recovery", "cause": "store_lost", "fallback": "checkpoint",
                       "relaunch": int(relaunch), "resumed_iteration": trainer.iteration,
-                      "world_size": trainer.env.world_size}
+                      "world_size": trainer.world_size}
             logger.warning("job relaunched by the surviving nodes after the job store was "
                            "lost: %s", record)
             trainer.emit(record)
@@ -148,13 +153,13 @@ class ResiliencePlugin(TrainerPlugin):
         evaluates = a.eval_interval and a.eval_iters and iteration % a.eval_interval == 0
         return bool(saves or evaluates)
 
-    def on_step_failed(self, exc: BaseException, trainer: Any) -> StepAction | None:
+    def on_step_failed(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         assert self.controller is not None, "on_model_built was not called"
         action = self.controller.handle(exc, trainer)
         self._leaving = action is None
         return action
 
-    def between_steps(self, trainer: Any) -> StepAction | None:
+    def between_steps(self, trainer: TrainerHandle) -> StepAction | None:
         assert self.controller is not None, "on_model_built was not called"
         return self.controller.between_steps(trainer)
 

@@ -95,9 +95,9 @@ def join_world(job: JobStore, membership: Membership, new_rank: int, world_size:
 
 def recovery_group(job: JobStore, membership: Membership, me: int, *, timeout_s: float):
     """The gloo group over every member of this generation (spares included)."""
-    return groups.recovery_group(job.scoped(f"gen/{membership.generation}/members"),
-                                 membership.index(me), len(membership.members),
-                                 timeout_s=timeout_s)
+    return groups.unregistered_gloo_group(job.scoped(f"gen/{membership.generation}/members"),
+                                          membership.index(me), len(membership.members),
+                                          timeout_s=timeout_s)
 
 
 def wait_as_spare(job: JobStore, generation: int, *, on_wait: Callable[[], None],

@@ -1,6 +1,6 @@
 """The restorer's executor: move parameters and optimizer state between survivors.
 
-The transfer list is the restorer's (``restorer_plan.Transfer``): a sender and a receiver
+The transfer list is the restorer's (``restorer.Transfer``): a sender and a receiver
 (survivors, by the rank ids of the plan; ``members`` maps them to recovery-group ranks), a
 state unit (a global layer index, ``"embedding"`` or ``"output"``) and a kind (``"params"`` or
 ``"optimizer"``); a sender equal to its receiver is a local copy. The receiver decides which tensors it needs: it publishes

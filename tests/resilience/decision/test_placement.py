@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dc_helpers import make_profile  # noqa: E402
 
 from chameleon_megatron.resilience.decision.placement import (  # noqa: E402
-    Slot, check_supported, first_last, kept_in_place, microbatch_ids, slot_of,
+    Slot, check_plan_runtime, first_last, kept_in_place, microbatch_ids, slot_of,
     stage_major_order,
 )
 from chameleon_megatron.resilience.execution.grad_sync import sync_spec  # noqa: E402
@@ -72,18 +72,18 @@ def _args(**over) -> argparse.Namespace:
 
 
 def test_the_runtime_refuses_what_it_does_not_execute() -> None:
-    check_supported(_args(), HETERO)
+    check_plan_runtime(_args(), HETERO)
     for over, message in [({"bf16": True}, "--bf16"), ({"optimizer": "sgd"}, "Adam only"),
                           ({"num_layers": 8}, "plan has 4 layers, the model 8")]:
         with pytest.raises(ValueError, match=message):
-            check_supported(_args(**over), HETERO)
+            check_plan_runtime(_args(**over), HETERO)
     with pytest.raises(ValueError, match="tp=2"):
-        check_supported(_args(), UniformLayout(tp=2, pp=2, dp=1).to_plan(4, 2))
+        check_plan_runtime(_args(), UniformLayout(tp=2, pp=2, dp=1).to_plan(4, 2))
     odd = Plan(num_layers=8, pipelines=(Pipeline(stages=(
         Stage((0,), (0,)), Stage((1, 2), (1,)), Stage((3, 4, 5), (2,)), Stage((6, 7), (3,))),
         microbatches=1),))
     with pytest.raises(ValueError, match="middle stages"):
-        check_supported(_args(num_layers=8), odd)
+        check_plan_runtime(_args(num_layers=8), odd)
 
 
 def test_sync_spec_takes_the_restorers_rounds() -> None:

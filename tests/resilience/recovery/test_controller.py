@@ -24,7 +24,7 @@ from chameleon_megatron.resilience.recovery.faults import FaultInjector, Injecte
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage, UniformLayout
 from chameleon_megatron.resilience.decision.perf_model import plan_step
-from chameleon_megatron.resilience.recovery.plugin import check_supported
+from chameleon_megatron.resilience.recovery.plugin import check_recoverable
 from chameleon_megatron.resilience.decision.center import (
     NoRecoveryPlan, RecoveryDecision, decide, recovery_units, rng_donors, uniform_plan,
     world_order,
@@ -211,7 +211,7 @@ def test_a_user_profile_must_describe_the_run() -> None:
 def test_what_recovery_cannot_do_is_refused_before_training(over, message) -> None:
     ctx = SimpleNamespace(**{"vpp_size": 1, "args": tiny_args(), **over})
     with pytest.raises(ConfigError, match=message):
-        check_supported(ctx, SimpleNamespace(profile=None))
+        check_recoverable(ctx, SimpleNamespace(profile=None))
 
 
 def test_a_recovery_fault_fires_in_the_recovery_of_its_iteration_only() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chameleon_megatron.megatron.groups import recovery_group
+from chameleon_megatron.megatron.groups import unregistered_gloo_group
 from chameleon_megatron.resilience.decision.restorer import Transfer
 from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
 
@@ -37,8 +37,8 @@ def run_members(size: int, body: Callable[[int, dist.ProcessGroup, dist.Store], 
         try:
             client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
-            group = recovery_group(dist.PrefixStore("pg/", client), rank, size,
-                                   timeout_s=timeout_s)
+            group = unregistered_gloo_group(dist.PrefixStore("pg/", client), rank, size,
+                                            timeout_s=timeout_s)
             results[rank] = body(rank, group, dist.PrefixStore("mig/", client))
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results[rank] = exc

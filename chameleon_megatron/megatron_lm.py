@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import sys
@@ -135,7 +136,9 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
             "(see patches/README.md)"
         )
     for module in (arguments, initialize):
-        module.parse_args = with_chameleon_args(module.parse_args)
+        if not getattr(module.parse_args, _CHAINED, False):
+            check_parse_args(module.parse_args)
+            module.parse_args = with_chameleon_args(module.parse_args)
 
     @functools.wraps(pretrain)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -145,14 +148,27 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+_CHAINED = "_chameleon_chained"
+
+
+def check_parse_args(parse_args: Callable[..., Any]) -> None:
+    """Megatron-LM's ``parse_args`` must take the ``extra_args_provider`` first (0.16-0.19)."""
+    params = list(inspect.signature(parse_args).parameters)
+    if params[:1] != ["extra_args_provider"]:
+        raise RuntimeError(f"this Megatron-LM's parse_args({', '.join(params)}) does not take "
+                           "extra_args_provider first; the hook cannot add --chameleon-* flags")
+
+
 def with_chameleon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron-LM's ``parse_args`` with our ``extra_args_provider`` chained after the caller's."""
+    """Megatron-LM's ``parse_args`` with our ``extra_args_provider`` chained after the caller's
+    (marked, so that it is chained once however often the script wraps ``pretrain``)."""
 
     @functools.wraps(parse_args)
     def parse(*args: Any, **kwargs: Any) -> Any:
         theirs = args[0] if args else kwargs.pop("extra_args_provider", None)
         return parse_args(chain_providers(theirs, extra_args_provider), *args[1:], **kwargs)
 
+    setattr(parse, _CHAINED, True)
     return parse
 
 

@@ -1,0 +1,178 @@
+"""megatron-core for layouts its parallel state cannot express (``resilience.execution``).
+
+Heterogeneous pipelines and rerouted layouts run megatron-core's own model, schedules and
+communicators over groups built per plan, never through ``parallel_state``'s globals:
+
+* a stage's ``GPTModel`` with an explicit ``ProcessGroupCollection`` (``stage_gpt``);
+* the 1F1B schedule of one pipeline with its own ``P2PCommunicator``
+  (``pipeline_schedule``);
+* the single-microbatch ``forward_step``/``backward_step`` of megatron's schedules
+  (``forward_one``/``backward_one``), looked up at call time so that the swap seams wrap them
+  here too;
+* the fp32 clipping of megatron's optimizer (``clip_grads``);
+* seeding of the tensor-parallel RNG tracker, and the scratch buffer attention needs.
+
+``check_plan_seams`` checks each signature these calls rely on (parameter names), so a
+megatron-core release that changes one is refused before a recovery tries to use it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class PipelinePosition:
+    """Stands in for the pipeline group while a stage is built.
+
+    megatron-core reads only ``rank()`` and ``size()`` of the model's pipeline group (layer
+    offsets, first/last stage); the plan knows both. A stage whose pipeline lost a rank
+    (rerouting) can thus be built without a group that could never form. The schedules get
+    the real groups separately.
+    """
+
+    def __init__(self, stage: int, depth: int) -> None:
+        if not 0 <= stage < depth:
+            raise ValueError(f"stage={stage}: must be in [0, {depth})")
+        self._stage, self._depth = stage, depth
+
+    def rank(self) -> int:
+        return self._stage
+
+    def size(self) -> int:
+        return self._depth
+
+
+NEEDS: dict[str, tuple[str, ...]] = {
+    "pipeline_parallel.get_forward_backward_func": ("pp_size", "vp_size"),
+    "pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving":
+        ("p2p_communicator", "pg_collection"),
+    "pipeline_parallel.schedules.forward_backward_no_pipelining": ("pg_collection",),
+    "pipeline_parallel.schedules.forward_step":
+        ("input_tensor", "forward_data_store", "config", "cp_group_size", "current_microbatch",
+         "is_last_stage"),
+    "pipeline_parallel.schedules.backward_step": ("input_tensor", "output_tensor",
+                                                  "output_tensor_grad", "model_type", "config"),
+    "models.gpt.GPTModel": ("pg_collection",),
+    "tensor_parallel.model_parallel_cuda_manual_seed": ("tp_rank", "ep_rank", "etp_rank"),
+    "optimizer.clip_grads.clip_grad_by_total_norm_fp32": ("parameters", "max_norm",
+                                                          "total_norm"),
+}
+"""megatron-core callables (below ``megatron.core``) and the parameters the plan runtime
+passes them by name."""
+
+
+def check_plan_seams() -> None:
+    """RuntimeError naming the first callable whose parameters do not fit."""
+    import importlib
+
+    from megatron.core import __version__ as mcore_version
+
+    for path, params in NEEDS.items():
+        module_name, _, attr = f"megatron.core.{path}".rpartition(".")
+        target = getattr(importlib.import_module(module_name), attr, None)
+        have = set(inspect.signature(target).parameters) if target is not None else set()
+        missing = [p for p in params if p not in have]
+        if target is None or missing:
+            raise RuntimeError(
+                f"megatron-core {mcore_version}: megatron.core.{path} lacks "
+                f"{', '.join(missing) or 'itself'}; heterogeneous pipelines and rerouting need "
+                "it (see docs/heterogeneous.md)")
+
+
+def stage_groups(solo: dist.ProcessGroup, pipeline: Any) -> Any:
+    """The model's process groups for a stage at tp = 1: this rank alone is its TP and CP
+    group; ``pipeline`` is the pipeline group or a ``PipelinePosition``. The copy of the tied
+    embedding is loaded with the state, not all-reduced in (no embedding groups)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(tp=solo, cp=solo, pp=pipeline, embd=None, pos_embd=None,
+                                  dp_cp=None)
+
+
+def stage_gpt(config: Any, layer_spec: Any, *, args: Any, pre_process: bool,
+              post_process: bool, groups: Any) -> torch.nn.Module:
+    """megatron-core's ``GPTModel`` for one stage, on this process's device."""
+    from megatron.core.models.gpt import GPTModel
+
+    ensure_memory_buffer()
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        pg_collection=groups,
+    )
+    return model.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+
+
+def ensure_memory_buffer() -> None:
+    """megatron's attention takes scratch space from parallel_state's global buffer, which
+    only ``initialize_model_parallel`` creates (and ``destroy_model_parallel`` drops)."""
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def seed_tp_tracker(seed: int, *, tp_rank: int) -> None:
+    """megatron's tensor-parallel RNG tracker with the rank given, not read from parallel
+    state."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0,
+                                                   etp_rank=0)
+
+
+def p2p_communicator(group: dist.ProcessGroup, config: Any) -> Any:
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return P2PCommunicator(group, config)
+
+
+def pipeline_schedule(depth: int) -> Callable[..., list[dict]]:
+    """megatron's schedule for one pipeline of ``depth`` stages (no interleaving); call it
+    with ``p2p_communicator=`` and ``pg_collection=``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func(pp_size=depth, vp_size=None)
+
+
+def forward_one(forward_step_func: Callable, batches: Iterator[dict], model: Any, *,
+                input_tensor: torch.Tensor | None, reports: list, config: Any,
+                microbatch: int, is_last_stage: bool) -> tuple[torch.Tensor, Any]:
+    """One microbatch's forward as megatron's schedules run it: (output, token count)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules.forward_step(
+        forward_step_func, batches, model, num_microbatches=1, input_tensor=input_tensor,
+        forward_data_store=reports, config=config, cp_group_size=1,
+        current_microbatch=microbatch, is_last_stage=is_last_stage)
+
+
+def release_output(output: torch.Tensor, config: Any) -> None:
+    """Free an output's storage once it is sent (megatron keeps only its grad_fn)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+
+
+def backward_one(input_tensor: torch.Tensor | None, output: torch.Tensor,
+                 output_grad: torch.Tensor | None, model: Any, config: Any) -> Any:
+    """One microbatch's backward as megatron's schedules run it: the input's gradient."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.utils import get_model_type
+
+    return schedules.backward_step(input_tensor, output, output_grad, get_model_type(model),
+                                   config)
+
+
+def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale gradients as megatron's fp32 optimizer clips them, given the global norm."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    clip_grad_by_total_norm_fp32(list(params), max_norm, total_norm)
