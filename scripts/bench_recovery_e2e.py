@@ -127,6 +127,7 @@ def main() -> int:
     parser.add_argument("--kind", default="exit", choices=["exit", "hang", "exception"])
     parser.add_argument("--iters", type=int, default=25)
     parser.add_argument("--timeout", type=float, default=900.0, help="per job, seconds")
+    parser.add_argument("--json", default=None, help="also write the result to this file")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +135,8 @@ def main() -> int:
     # other processes on the host inflate every time: say how busy it was
     result["load_average"] = [load_before, os.getloadavg()[0]]
     print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 

@@ -27,8 +27,10 @@ import contextlib
 import datetime
 import gc
 import importlib.util
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -87,10 +89,15 @@ def swap_plugin(model: torch.nn.Module, device: torch.device, cfg: SwapConfig):
     return plugin
 
 
+WARMUP = 2
+"""Steps before the figures: swap profiles the first and plans from the second on."""
+
+
 def train(model, opt, a: argparse.Namespace, device: torch.device, steps: int, *,
           plugin=None, context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, float]:
-    """``steps`` iterations (an OOM step is redone when the swap plugin asks for it);
-    median step time of all but the first two, peak memory."""
+    """``steps`` iterations (an OOM step is redone when the swap plugin asks for it); the
+    median step time and the peak memory of the steps after ``WARMUP`` (once a swap plan
+    exists: the profiling step holds every activation)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data, m):
@@ -102,9 +109,9 @@ def train(model, opt, a: argparse.Namespace, device: torch.device, steps: int, *
     gen = torch.Generator(device=device).manual_seed(0)
     fb = get_forward_backward_func()
     times = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     for it in range(steps):
+        if it == min(WARMUP, steps - 1) and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         data = [torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device=device,
                               generator=gen) for _ in range(a.microbatches)]
         _sync(device)
@@ -118,14 +125,15 @@ def train(model, opt, a: argparse.Namespace, device: torch.device, steps: int, *
                        micro_batch_size=a.micro_batch, forward_only=False)
                 break
             except torch.OutOfMemoryError as exc:
-                if plugin is None or plugin.on_step_failed(exc, None) != "redo":
+                # One process: the step is redone here (abandoned by every rank, which is it).
+                if plugin is None or plugin.on_step_failed(exc, None) != "abandon":
                     raise
                 opt.zero_grad(set_to_none=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[2:] if len(times) > 3 else times)
+    step_s = statistics.median(times[WARMUP:] if len(times) > WARMUP else times)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"step_s": step_s, "tokens_per_s": a.microbatches * a.micro_batch * a.seq / step_s,
             "peak_gib": peak / 2**30}
@@ -143,7 +151,7 @@ def _free() -> None:
 
 
 # ------------------------------------------------------------------------------ sections
-def throughput(a: argparse.Namespace, device: torch.device) -> None:
+def throughput(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1)
@@ -188,12 +196,13 @@ def throughput(a: argparse.Namespace, device: torch.device) -> None:
         print("  swap: " + ", ".join(f"{k}={swap[k]}" for k in (
             "budget_bytes", "peak_resident_saved_bytes", "peak_saved_bytes", "swapped_out_bytes",
             "blocking_swapins", "expected_stall_s", "matched", "planned_tensors")))
+    return runs
 
 
-def capacity(a: argparse.Namespace, device: torch.device) -> None:
+def capacity(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         print("\n== capacity: needs CUDA (skipped)")
-        return
+        return {"skipped": "needs CUDA"}
     total = torch.cuda.get_device_properties(device).total_memory
     cap = a.cap_gib * 2**30
     print(f"\n== capacity: device memory capped at {a.cap_gib} GiB of {total / 2**30:.0f} GiB")
@@ -235,12 +244,13 @@ def capacity(a: argparse.Namespace, device: torch.device) -> None:
         print("".join(row))
     print("  largest trained, as a multiple of the cap: " +
           ", ".join(f"{k} {v:.2f} x" for k, v in best.items()))
+    return {"cap_gib": a.cap_gib, "largest_x_cap": best}
 
 
-def bandwidth(a: argparse.Namespace, device: torch.device) -> None:
+def bandwidth(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         print("\n== bandwidth: needs CUDA (skipped)")
-        return
+        return {"skipped": "needs CUDA"}
     from chameleon_megatron.swap.copier import CudaCopier
 
     n, size = a.copies, a.copy_mib << 20
@@ -275,11 +285,14 @@ def bandwidth(a: argparse.Namespace, device: torch.device) -> None:
             copier.wait_in(copier.start_in(h, device, None)[1])
 
     print(f"\n== bandwidth: {n} copies of {a.copy_mib} MiB")
+    out = {}
     for name, plain, engine in (("device->host", plain_out, engine_out),
                                 ("host->device", plain_in, engine_in)):
         p, e = timed(plain), timed(engine)
         print(f"  {name}: plain pinned copy {p / 1e9:6.1f} GB/s, swap executor "
               f"{e / 1e9:6.1f} GB/s = {100 * e / p:5.1f} %")
+        out[name] = {"plain_gbps": p / 1e9, "executor_gbps": e / 1e9}
+    return out
 
 
 def main() -> None:
@@ -299,6 +312,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=32)
     ap.add_argument("--copy-mib", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script)")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
     a = ap.parse_args()
     if a.smoke:
         a.layers, a.hidden, a.heads, a.seq, a.vocab = 2, 64, 4, 32, 256
@@ -308,8 +322,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     sections = {"throughput": throughput, "capacity": capacity, "bandwidth": bandwidth}
-    for name in a.only.split(","):
-        sections[name](a, device)
+    results = {name: sections[name](a, device) for name in a.only.split(",")}
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
     dist.destroy_process_group()
 
 

@@ -36,3 +36,25 @@ def test_preset_validates(name):
     assert (args.global_batch_size
             % (args.micro_batch_size * args.data_parallel_size)) == 0
     assert cfg.metrics is not None
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_swap_alone_runs_on_every_cpu_preset(tmp_path):
+    """``--chameleon-swap`` with nothing else, on the presets that run on CPU, as shipped
+    (the tiny preset: TP2 x PP2 over 4 ranks): it swaps, within its budget."""
+    from dist_utils import run_trainer
+
+    cpu = [n for n in sorted(WORLD) if read_yaml(CONFIGS / n)["megatron"].get(
+        "distributed_backend") == "gloo"]
+    assert cpu == ["tiny-cpu.yaml"]
+    for name in cpu:
+        records = run_trainer(WORLD[name], [
+            "--chameleon-config", str(CONFIGS / name), "--train-iters", "3",
+            "--lr-warmup-iters", "1", "--eval-iters", "0", "--chameleon-swap"],
+            tmp_path, name=name)
+        swap = [r["swap"] for r in records if r["event"] == "iteration"]
+        assert len(swap) == 3
+        for s in swap[1:]:  # planned from the second step on
+            assert s["plan_version"] >= 1 and s["swapped_out_bytes"] > 0, s
+            assert s["peak_resident_saved_bytes"] <= s["budget_bytes"], s

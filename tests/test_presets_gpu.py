@@ -199,7 +199,8 @@ FAKE_ENTRY = '''\
 import json, os, sys
 with open(os.path.join(os.environ["OUT_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump({"world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
-               "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}, f)
+               "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+               "alloc": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, f)
 '''
 
 
@@ -216,6 +217,7 @@ def run_launchers(commands: list[tuple[list[str], dict]], tmp_path: Path) -> lis
     env = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path),
            "CHAMELEON_ENTRY": str(tmp_path / "entry.py")}
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     procs = [subprocess.Popen(["bash", str(REPO / "scripts" / argv[0]), *argv[1:]], cwd=REPO,
                               env={**env, **extra}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -234,7 +236,7 @@ def run_launchers(commands: list[tuple[list[str], dict]], tmp_path: Path) -> lis
 def test_cpu_launcher_runs_n_gloo_ranks_with_preset_and_flags(tmp_path):
     ranks = run_launchers([(["launch_cpu.sh", "2", "configs/tiny-cpu.yaml",
                              "--train-iters", "3"], {})], tmp_path)
-    assert ranks == [{"world": "2", "max_connections": None, "argv": [
+    assert ranks == [{"world": "2", "max_connections": None, "alloc": None, "argv": [
         "--chameleon-config", "configs/tiny-cpu.yaml", "--distributed-backend", "gloo",
         "--train-iters", "3"]}] * 2
 
@@ -242,7 +244,8 @@ def test_cpu_launcher_runs_n_gloo_ranks_with_preset_and_flags(tmp_path):
 def test_gpu_launcher_uses_nccl(tmp_path):
     ranks = run_launchers([(["launch_gpu.sh", "1", "configs/gpt-7b-8xh100.yaml",
                              "--mock-data"], {})], tmp_path)
-    assert ranks == [{"world": "1", "max_connections": "1", "argv": [
+    assert ranks == [{"world": "1", "max_connections": "1",
+                      "alloc": "expandable_segments:True", "argv": [
         "--chameleon-config", "configs/gpt-7b-8xh100.yaml", "--distributed-backend", "nccl",
         "--mock-data"]}]
 
@@ -252,7 +255,7 @@ def test_multinode_launcher_rendezvous_of_two_nodes(tmp_path):
             "BACKEND": "gloo"}
     argv = ["launch_multinode.sh", "1", "configs/tiny-cpu.yaml", "--seed", "7"]
     ranks = run_launchers([(argv, {**node, "NODE_RANK": str(r)}) for r in (0, 1)], tmp_path)
-    assert ranks == [{"world": "2", "max_connections": None, "argv": [
+    assert ranks == [{"world": "2", "max_connections": None, "alloc": None, "argv": [
         "--chameleon-config", "configs/tiny-cpu.yaml", "--distributed-backend", "gloo",
         "--seed", "7"]}] * 2
 

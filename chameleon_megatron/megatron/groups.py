@@ -17,7 +17,7 @@ import socket
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from chameleon_megatron.megatron import torch_seams
+from chameleon_megatron.megatron import torch_seams, transport
 
 logger = logging.getLogger(__name__)
 
@@ -94,20 +94,29 @@ def current_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelt
     return torch_seams.group_timeout(group or dist.group.WORLD)
 
 
+def interrupt(backend: str, store_port: int | None) -> int:
+    """Make every operation blocked in this process's groups return now, with an error:
+    NCCL communicators are aborted; gloo connections are shut down, all but the job store's
+    (at ``store_port``; None: it cannot be told apart, nothing is shut down). Returns how
+    many communicators or connections."""
+    if backend == "nccl":
+        return abort_communicators()
+    if store_port is None:
+        return 0
+    return transport.close_connections({store_port})
+
+
 def abort_communicators() -> int:
     """Abort every NCCL communicator, so that collectives blocked on a dead peer return with
-    an error (gloo offers no equivalent: there the group timeout bounds the wait). Returns
-    how many were aborted."""
-    aborted = 0
+    an error; returns how many were aborted. Safe while another thread destroys groups."""
+    nccl = []
     for group in torch_seams.registered_groups():
-        if dist.get_backend(group) != "nccl":
-            continue
         try:
-            group.abort()
-            aborted += 1
-        except RuntimeError as exc:  # already aborted by the watchdog
-            logger.warning("abort of %s failed: %s", group, exc)
-    return aborted
+            if dist.get_backend(group) == "nccl":
+                nccl.append(group)
+        except (ValueError, RuntimeError):  # destroyed meanwhile by the main thread
+            continue
+    return torch_seams.abort_together(nccl)
 
 
 def unregistered_gloo_group(store: dist.Store, rank: int, size: int, *,

@@ -12,10 +12,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 class TorchSeamError(RuntimeError):
@@ -48,6 +51,41 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     if not isinstance(timeout, datetime.timedelta):
         raise _missing("ProcessGroup._get_backend(device).options._timeout (a timedelta)")
     return timeout
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (``t`` itself included)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        raise _missing("torch._C._storage_Use_Count")
+    storage = t.untyped_storage()
+    return use_count(storage._cdata) - 1  # less the storage object just taken
+
+
+def abort_together(nccl_groups: list[Any]) -> int:
+    """Abort NCCL groups inside one ``ncclGroupStart``/``ncclGroupEnd`` (as torch's own
+    ``_abort_process_group`` does for the world): aborted one at a time, one communicator's
+    abort can wait behind another's hung kernel. Newest first; returns how many aborted.
+    A group that fails to abort (already aborted by the watchdog) is logged and skipped."""
+    if not nccl_groups:
+        return 0
+    try:
+        backend = nccl_groups[0]._get_backend(torch.device("cuda"))
+        start, end = backend._group_start, backend._group_end
+    except (AttributeError, RuntimeError) as exc:
+        raise _missing("ProcessGroupNCCL._group_start/_group_end") from exc
+    aborted = 0
+    start()
+    try:
+        for group in reversed(nccl_groups):
+            try:
+                group.abort()
+                aborted += 1
+            except RuntimeError as exc:
+                logger.warning("abort of %s failed: %s", group, exc)
+    finally:
+        end()
+    return aborted
 
 
 # ---------------------------------------------------------------------------- elastic agent

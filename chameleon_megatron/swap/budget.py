@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from chameleon_megatron.swap.profile import StepProfile
 from chameleon_megatron.swap.windows import resident_curve
 
@@ -24,9 +26,8 @@ class BudgetSpec:
 def resolve_budget(spec: BudgetSpec, profile: StepProfile, *, oom_factor: float = 1.0) -> int:
     """The budget in bytes for plans built from ``profile``, lowered by ``oom_factor``.
 
-    With a device fraction, what training holds besides saved activations (parameters,
-    gradients, optimizer state, workspace) is the most device memory in use at a pack
-    minus the saved bytes resident then, and comes off the top.
+    With a device fraction, what training holds besides saved activations comes off the
+    top (``other_bytes``).
     """
     resident = resident_curve(profile)
     if spec.absolute_bytes is not None:
@@ -34,8 +35,7 @@ def resolve_budget(spec: BudgetSpec, profile: StepProfile, *, oom_factor: float 
     elif spec.device_fraction is not None:
         if spec.device_total_bytes is None:
             raise ValueError("swap.budget_device_fraction needs the device's total memory (CUDA)")
-        other = max((r.device_bytes - int(resident[r.pack_event]) for r in profile.records),
-                    default=0)
+        other = other_bytes(profile, resident)
         base = int(spec.device_fraction * spec.device_total_bytes) - other
         if base <= 0:
             raise ValueError(
@@ -46,3 +46,18 @@ def resolve_budget(spec: BudgetSpec, profile: StepProfile, *, oom_factor: float 
     else:
         base = int(spec.fraction * int(resident.max(initial=0)))
     return max(int(base * oom_factor), 1)
+
+
+def other_bytes(profile: StepProfile, resident: np.ndarray) -> int:
+    """Device memory that is not saved activations, at its worst over the step: tensors
+    beside the saved ones at each pack (forward) and at each first use (backward: gradients
+    and transients), the caching allocator's slack at the step's peak, and memory outside
+    torch (CUDA context, NCCL, cuBLAS)."""
+    seen = [r.device_bytes - int(resident[r.pack_event]) for r in profile.records]
+    seen += [r.use_device_bytes - int(resident[r.use_event]) for r in profile.records
+             if r.use_event >= 0 and r.use_device_bytes >= 0]
+    other = max(seen, default=0)
+    if profile.device is not None:
+        d = profile.device
+        other += max(d.peak_reserved - d.peak_allocated, 0) + d.outside_torch
+    return other

@@ -28,8 +28,13 @@ class SwapConfig:
     (CUDA only)."""
     bandwidth_gbps: float | None = None
     """Host<->device copy bandwidth in GB/s (none: measured at start-up on GPU, 10 on CPU)."""
-    min_tensor_bytes: int = 1 << 20
-    """Saved tensors smaller than this are never swapped."""
+    min_tensor_bytes: int | None = None
+    """Saved tensors smaller than this are never swapped (none: chosen from the profile: the
+    bytes a copy must move to outweigh its fixed cost at the measured bandwidth, lowered to
+    the sizes present when the budget needs smaller ones)."""
+    strict: bool = False
+    """Refuse a budget below the least any plan can meet (BudgetError); by default swap warns
+    once with that least budget and swaps what it can."""
     granularity: Literal["auto", "layer", "microbatch"] = "auto"
     """Profiling stage: forward/backward x microbatch x chunk, and x transformer layer for
     'layer'; 'auto' starts per layer and switches at run time (docs/swap.md, Stage
@@ -59,8 +64,9 @@ class SwapConfig:
         if self.bandwidth_gbps is not None:
             check(self.bandwidth_gbps > 0, "swap.bandwidth_gbps", self.bandwidth_gbps,
                   "must be > 0")
-        check(self.min_tensor_bytes >= 0, "swap.min_tensor_bytes", self.min_tensor_bytes,
-              "must be >= 0")
+        if self.min_tensor_bytes is not None:
+            check(self.min_tensor_bytes >= 0, "swap.min_tensor_bytes", self.min_tensor_bytes,
+                  "must be >= 0")
         check(0 <= self.size_tolerance < 1, "swap.size_tolerance", self.size_tolerance,
               "must be in [0, 1)")
         check(self.plan_time_limit_s > 0, "swap.plan_time_limit_s", self.plan_time_limit_s,

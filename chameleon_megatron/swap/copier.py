@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from chameleon_megatron.swap.profile import DeviceMemory
+
 
 class SyncCopier:
     """Synchronous copies on the current device (CPU tests, and the semantics reference)."""
@@ -35,13 +37,21 @@ class SyncCopier:
         return True
 
     def wait_in(self, token: Any) -> None:
-        """Make compute wait for a copy back (nothing to wait for here)."""
+        """Make compute wait for a copy back (nothing to wait for here): before the copy's
+        destination is used, or dropped unused."""
 
     def sync(self, token: Any) -> None:
         """Block the host until a copy has finished (OOM eviction, end of step)."""
 
     def memory_in_use(self) -> int | None:
         """Device memory the allocator holds for tensors (None: not measurable here)."""
+        return None
+
+    def reset_peaks(self) -> None:
+        """Start measuring a step's peaks (``memory_summary``)."""
+
+    def memory_summary(self) -> DeviceMemory | None:
+        """Peaks since ``reset_peaks`` and the memory used beside torch (None: no device)."""
         return None
 
     def sync_device(self) -> None:
@@ -75,7 +85,9 @@ class CudaCopier(SyncCopier):
             dst.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        dst.record_stream(self.h2d)  # freed unused: not reused before the copy ends
+        # No record_stream: it would hold the block until the copy stream passes later
+        # prefetches, raising the peak. dst belongs to the compute stream, which waits for
+        # the event before any use, and before dst is dropped unused (executor.release).
         return dst, event
 
     def done(self, token: Any) -> bool:
@@ -92,8 +104,32 @@ class CudaCopier(SyncCopier):
     def memory_in_use(self) -> int | None:
         return torch.cuda.memory_allocated(self.device)
 
+    def reset_peaks(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_summary(self) -> DeviceMemory | None:
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        return DeviceMemory(peak_allocated=torch.cuda.max_memory_allocated(self.device),
+                            peak_reserved=torch.cuda.max_memory_reserved(self.device),
+                            outside_torch=max(total - free - reserved, 0))
+
     def sync_device(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def register_host(buf: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory for asynchronous copies, on exactly its size."""
+    if buf.numel():
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed (error {err})")
+
+
+def unregister_host(buf: torch.Tensor) -> None:
+    """Undo ``register_host`` (before the memory is freed)."""
+    if buf.numel():
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 def copier_for(device: torch.device) -> SyncCopier:

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
+from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.swap.copier import SyncCopier
 from chameleon_megatron.swap.entry import (
     BACK,
@@ -149,11 +150,15 @@ class SwapExecutor:
         if entry is not None and entry.ref() is storage:
             if self._profiling:
                 stats.add(code, nbytes)
-            return self._attach(entry, t)
+            return self._attach(entry, t.detach())
         ordinal, history = len(stats.codes), stats.history()
         if self._profiling:
             stats.add(code, nbytes)
-        return self._new_entry(t, storage, key, nbytes, stats, code, ordinal, history)
+        # Held detached: an output its own op saves (softmax, sigmoid) would otherwise keep
+        # its graph alive through the handle (graph -> handle -> tensor -> grad_fn), and an
+        # abandoned step would never free it. Autograd re-attaches grad_fn at unpack.
+        return self._new_entry(t.detach(), storage, key, nbytes, stats, code, ordinal,
+                               history)
 
     def _new_entry(self, t: torch.Tensor, storage: Any, key: int, nbytes: int,
                    stats: StageStats, code: int, ordinal: int, history: int) -> Handle:
@@ -196,15 +201,14 @@ class SwapExecutor:
         if not entry.used:
             entry.used = True
             if self.recorder is not None and entry.rec >= 0:
-                self.recorder.on_use(entry.rec, self.tracker.segment)
+                in_use = self.copier.memory_in_use()
+                self.recorder.on_use(entry.rec, self.tracker.segment,
+                                     self.resident if in_use is None else in_use)
             if entry.uid >= 0:
                 self._fire(entry.uid, USE)
         if entry.tensors is None:
             self._bring_back(entry)
-        t = entry.tensors[packed.index]
-        if entry.state == RESIDENT:
-            _check_storage(entry, t)
-        return t
+        return entry.tensors[packed.index]
 
     def _enforce_budget(self, entry: Entry) -> None:
         """Over budget: wait for copies out in flight (the stall the plan foresaw), then
@@ -219,7 +223,7 @@ class SwapExecutor:
                 self._swap_out(entry)
                 self.counters.forced_swaps += 1
             else:
-                self.evict(self.resident - self.budget)
+                self.evict(self.resident - self.budget, memory=False)
 
     # ---------------------------------------------------------------- plan application
     def _apply_plan(self, entry: Entry, stage: tuple, ordinal: int, code: int, nbytes: int,
@@ -259,7 +263,6 @@ class SwapExecutor:
         return Handle(entry, len(entry.views) - 1)
 
     def _swap_out(self, entry: Entry) -> None:
-        _check_storage(entry, entry.tensors[0])
         src = bytes_of(entry.tensors[0])
         entry.views = [view_of(t) for t in entry.tensors]
         entry.tensors = None
@@ -295,10 +298,12 @@ class SwapExecutor:
         try:
             return self.copier.start_in(entry.host, entry.device, entry.token)
         except torch.OutOfMemoryError:
-            freed = self.evict(entry.nbytes)
+            freed = self.evict(entry.nbytes, memory=True)
             logger.warning("swap: out of memory bringing back %d bytes; evicted %d bytes",
                            entry.nbytes, freed)
-            return self.copier.start_in(entry.host, entry.device, entry.token)
+            if freed < entry.nbytes:
+                raise  # retrying would fail again (in the autograd thread): the step's OOM
+        return self.copier.start_in(entry.host, entry.device, entry.token)
 
     def _bring_back(self, entry: Entry) -> None:
         """Unpack of an entry not on the device as packed: finish its copy back."""
@@ -306,7 +311,7 @@ class SwapExecutor:
             if entry.state == SWAPPED:
                 self.counters.blocking_swapins += 1
                 if self._over_budget(entry.nbytes):
-                    self.evict(self.resident + entry.nbytes - self.budget)
+                    self.evict(self.resident + entry.nbytes - self.budget, memory=False)
             self._start_in(entry)
         self.copier.wait_in(entry.token)
         entry.token = None
@@ -356,18 +361,28 @@ class SwapExecutor:
             self.recorder.on_free(entry.rec, self.tracker.segment)
         if entry.state == OUT:
             return  # _poll recycles the host buffer when the copy ends
+        if entry.state == IN and entry.token is not None:
+            # Brought back but never unpacked: the compute stream must pass the copy before
+            # the destination's block returns to the allocator for its reuse.
+            self.copier.wait_in(entry.token)
         if entry.host is not None:  # swapped out and never brought back
             self.pool.release(entry.host)
-        entry.tensors = entry.data = entry.host = None
+        entry.tensors = entry.data = entry.host = entry.token = None
 
-    def evict(self, need_bytes: int) -> int:
+    def evict(self, need_bytes: int, *, memory: bool) -> int:
         """Synchronously swap out resident, not yet used storages, oldest first (the last
-        that backward needs), until ``need_bytes`` are off the device; returns the bytes."""
+        that backward needs), until ``need_bytes`` are off; returns the bytes.
+
+        ``memory``: device memory must be freed now (an out-of-memory error), so a storage
+        that other tensors still share (the forward's live activations) is left alone,
+        copying it out would free nothing. Otherwise the budget of saved bytes is what
+        counts, and a shared storage leaves it once it is swapped."""
         freed = 0
         for entry in list(self._entries.values()):
             if freed >= need_bytes:
                 break
-            if entry.state == RESIDENT and entry.eligible and not entry.used:
+            if entry.state == RESIDENT and entry.eligible and not entry.used and not (
+                    memory and torch_seams.storage_users(entry.tensors[0]) > len(entry.tensors)):
                 self._swap_out(entry)
                 if entry.state == OUT:
                     self.copier.sync(entry.token)
@@ -383,11 +398,3 @@ class SwapExecutor:
         self.op_names.append(f"{name}:{dtype}")
         return code
 
-
-def _check_storage(entry: Entry, t: torch.Tensor) -> None:
-    """Autograd keeps the storage a tensor had when it was saved; these hooks keep the
-    tensor. Code that later reassigns a saved tensor's ``.data`` (megatron does so only for
-    pipeline outputs, which no operator saves) would make them differ: refuse loudly."""
-    if t.untyped_storage().data_ptr() != entry.key:
-        raise RuntimeError("swap: a saved tensor's .data was reassigned after autograd saved "
-                           f"it ({tuple(t.shape)}, {t.dtype}); run without --chameleon-swap")

@@ -1,8 +1,21 @@
-"""Host buffers for swapped storages, reused across steps (pinned when copying from a GPU)."""
+"""Host buffers for swapped storages, reused across steps (page-locked when copying from a GPU).
+
+Buffers are kept by exact size; freed ones stay cached up to ``cache_bytes`` in total, so
+``held_bytes`` (handed out plus cached) is what the pool really holds. Page-locked buffers
+are ordinary host tensors registered with CUDA on exactly their size and unregistered when
+the pool drops them: torch's pinned-memory allocator would round each up to a power of two
+and keep it for the rest of the process, beyond any bound of the pool. ``reserve`` makes the
+buffers a new plan needs before its first step, so that registering (slow) happens between
+steps rather than inside the forward pass.
+"""
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
+
+from chameleon_megatron.swap.copier import register_host, unregister_host
 
 
 class HostPool:
@@ -15,8 +28,14 @@ class HostPool:
         self.cached_bytes = 0
         self.live = 0
         """Buffers handed out and not yet returned."""
+        self.live_bytes = 0
         self.allocated = 0
         """Buffers ever allocated (a steady workload stops allocating after its first step)."""
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory the pool holds: buffers handed out plus cached ones."""
+        return self.live_bytes + self.cached_bytes
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         free = self._free.get(nbytes)
@@ -24,19 +43,56 @@ class HostPool:
             buf = free.pop()
             self.cached_bytes -= nbytes
         else:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self.allocated += 1
+            buf = self._new(nbytes)
         self.live += 1
+        self.live_bytes += nbytes
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel()
         self.live -= 1
+        self.live_bytes -= nbytes
+        self._keep_or_drop(buf)
+
+    def reserve(self, sizes: Iterable[int]) -> int:
+        """Have a cached buffer ready for each of ``sizes`` (one per planned swap), as far
+        as the cache bound allows; returns the bytes newly allocated."""
+        want: dict[int, int] = {}
+        for n in sizes:
+            want[n] = want.get(n, 0) + 1
+        added = 0
+        for nbytes, count in sorted(want.items()):
+            for _ in range(count - len(self._free.get(nbytes, ()))):
+                if self.cached_bytes + nbytes > self.cache_bytes:
+                    return added
+                self._free.setdefault(nbytes, []).append(self._new(nbytes))
+                self.cached_bytes += nbytes
+                added += nbytes
+        return added
+
+    def clear(self) -> None:
+        """Drop every cached buffer (buffers handed out stay theirs)."""
+        for bufs in self._free.values():
+            for buf in bufs:
+                self._drop(buf)
+        self._free.clear()
+        self.cached_bytes = 0
+
+    def _keep_or_drop(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel()
         if self.cached_bytes + nbytes <= self.cache_bytes:
             self._free.setdefault(nbytes, []).append(buf)
             self.cached_bytes += nbytes
+        else:
+            self._drop(buf)
 
-    def clear(self) -> None:
-        """Drop every cached buffer."""
-        self._free.clear()
-        self.cached_bytes = 0
+    def _new(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pin:
+            register_host(buf)
+        self.allocated += 1
+        return buf
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        if self.pin:
+            unregister_host(buf)

@@ -13,12 +13,12 @@ s + 1 and drops the plan, whose stages are keyed at the old granularity (nothing
 match): step s + 1 profiles fully under the old plan's budget, and the new plan is in use
 in step s + 2.
 
-OOM (GPU): an out-of-memory error inside a step evicts every resident saved storage
-synchronously, lowers the enforced budget and the next plan's by ``oom_backoff`` (never
-below what the profile says is achievable) and schedules a re-profile; the error is
-re-raised, and ``oom_retry`` says whether redoing the step can succeed (the plugin then
-asks the trainer to redo it). Swap-ins that run out of memory evict and retry in the
-executor, so those steps complete.
+OOM (GPU): an out-of-memory error inside a step lowers the enforced budget and the next
+plan's by ``oom_backoff`` (never below what the profile says is achievable) and schedules a
+re-profile; the error is re-raised (the step's graph, and with it every saved tensor, is
+thrown away), and ``oom_retry`` says, for that step only, whether redoing it can succeed:
+the plugin then asks the trainer to redo it, on every rank together. A swap-in that runs
+out of memory evicts storages whose copy out frees memory now and retries in the executor.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from chameleon_megatron.swap.stage_adjust import (
     choose_granularity,
     observe,
 )
+from chameleon_megatron.swap.threshold import smallest_worth_swapping
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class SwapManager:
 
     def __init__(self, config: SwapConfig, executor: SwapExecutor, *, budget: BudgetSpec,
                  bandwidth_bps: float, cost: ProfilerCost, rank: int = 0,
-                 rule: AdjustRule = AdjustRule()) -> None:
+                 rule: AdjustRule = AdjustRule(), oom_factor: float = 1.0) -> None:
+        """``oom_factor``: the budget factor earlier out-of-memory errors left (a manager
+        rebuilt with its model keeps lowering from there)."""
         self.config = config
         self.executor = executor
         self.budget = budget
@@ -100,13 +103,15 @@ class SwapManager:
             else "layer"
         self.plan: SwapPolicy | None = None
         self.plan_version = 0
+        self.profile: StepProfile | None = None
+        """The profile the plan was built from."""
         self.reference: StepSignature | None = None
         """Signature of the step the plan was built from."""
         self.previous: StepSignature | None = None
         """Signature of the previous training step."""
         self.reprofile: str | None = "initial"
         """Why the next step profiles fully (None: it runs lightweight)."""
-        self.oom_factor = 1.0
+        self.oom_factor = oom_factor
         self.guard: int | None = None
         """Budget enforced until the next plan: lowered after an OOM (the next plan is built
         lower too), the dropped plan's after a granularity switch."""
@@ -120,13 +125,17 @@ class SwapManager:
         """Auto granularity: steps observed since the last switch (the rule's span at most)."""
         self.last_metrics: dict[str, Any] = {}
         self.totals = RunTotals()
+        self._warned_floor = False
 
     @contextlib.contextmanager
     def step(self, iteration: int) -> Iterator[None]:
         """Context around one training step's forward-backward."""
         full = self.reprofile is not None
+        self.oom_retry = False
         ex = self.executor
         ex.begin_step(profile="full" if full else "light")
+        if full:
+            ex.copier.reset_peaks()
         ex.budget = self._guard_budget()
         ex.tracker.sync = ex.copier.sync_device if full else None  # exact segment times
         try:
@@ -169,7 +178,8 @@ class SwapManager:
         self.previous = signature
         switch = self._adjust(layers)
         # A switch drops the plan: a profile keyed at the old granularity is of no use.
-        profile = ex.recorder.finish(ex.tracker.segments, ex.op_names, signature) \
+        profile = ex.recorder.finish(ex.tracker.segments, ex.op_names, signature,
+                                     ex.copier.memory_summary()) \
             if full and switch is None else None
         profiler_s = time.perf_counter() - start + counters.packs * (
             self.cost.full_s if full else self.cost.light_s)
@@ -193,12 +203,16 @@ class SwapManager:
     def _adopt(self, profile: StepProfile, iteration: int) -> None:
         cfg = self.config
         budget = resolve_budget(self.budget, profile, oom_factor=self.oom_factor)
-        if self.oom_factor < 1.0:
-            budget = max(budget, min_feasible_budget(profile, cfg.min_tensor_bytes))
+        min_bytes = cfg.min_tensor_bytes if cfg.min_tensor_bytes is not None else \
+            smallest_worth_swapping(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps)
+        budget = self._achievable(budget, min_feasible_budget(profile, min_bytes), iteration)
         plan = generate_policy(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
-                             min_bytes=cfg.min_tensor_bytes, time_limit_s=cfg.plan_time_limit_s)
+                               min_bytes=min_bytes, time_limit_s=cfg.plan_time_limit_s)
+        self.executor.min_bytes = min_bytes
         self.executor.set_policy(plan, MatchIndex(profile.records))
-        self.plan, self.guard = plan, None
+        # Host buffers (page-locked on GPU) for the plan's swaps now, not in the forward.
+        self.executor.pool.reserve(d.nbytes for d in plan.decisions)
+        self.plan, self.profile, self.guard = plan, profile, None
         self.plan_version += 1
         self.reference = profile.signature
         if self.executor.tracker.step_granularity == "layer":
@@ -211,6 +225,20 @@ class SwapManager:
                   "expected_stall_s": plan.expected_stall_s, "optimal": plan.optimal}
         self.reprofile = None
         (logger.warning if plan.expected_stall_s > 0 else logger.info)("swap plan %s", record)
+
+    def _achievable(self, budget: int, floor: int, iteration: int) -> int:
+        """``budget``, or the least achievable one (``floor``) when it is lower: after an
+        OOM (the backoff went too far), or by default, with one warning; ``strict`` keeps
+        the budget (and the policy refuses it)."""
+        if budget >= floor or (self.config.strict and self.oom_factor == 1.0):
+            return budget
+        if self.oom_factor == 1.0 and not self._warned_floor:
+            self._warned_floor = True
+            logger.warning("swap budget %d bytes is below the least achievable %d bytes "
+                           "(rank %d, iteration %d): swapping what can be swapped; "
+                           "--chameleon-swap-strict makes this an error", budget, floor,
+                           self.rank, iteration)
+        return floor
 
     def _adjust(self, layers: StepSignature) -> GranularityDecision | None:
         """Auto granularity: observe this step; the rule's decision when it switches."""
@@ -237,7 +265,7 @@ class SwapManager:
         # keeping its budget until the re-profile builds the next plan.
         if self.plan is not None and self.guard is None:
             self.guard = self.plan.budget_bytes
-        self.plan = self.reference = None
+        self.plan = self.profile = self.reference = None
         self.executor.set_policy(None, None)
         self.reprofile = "granularity"
         self.observed = []
@@ -248,7 +276,8 @@ class SwapManager:
             "hidden_reprofiles": decision.hidden, "steps": decision.steps})
 
     def _on_oom(self, iteration: int) -> None:
-        freed = self.executor.evict(1 << 62)
+        # Nothing to evict: the step's graph is being thrown away, and its saved tensors
+        # (resident or on host) go with it.
         backoff = self.config.oom_backoff
         self.oom_factor *= backoff
         self.reprofile = "oom"
@@ -261,7 +290,7 @@ class SwapManager:
         # budget) or already at the least achievable one, a redo would fail the same way.
         self.oom_retry = before is not None and self.guard < before
         logger.warning("swap oom %s", {"rank": self.rank, "iteration": iteration,
-                                       "evicted_bytes": freed, "budget_before": before,
+                                       "budget_before": before,
                                        "budget_now": self.guard,
                                        "redo": self.oom_retry})
 
@@ -274,6 +303,7 @@ class SwapManager:
             "granularity": granularity,
             "plan_version": version,
             "budget_bytes": self.executor.budget,
+            "min_tensor_bytes": self.executor.min_bytes,
             "planned_out_bytes": plan.planned_out_bytes if plan else 0,
             "planned_tensors": len(plan.decisions) if plan else 0,
             "expected_stall_s": plan.expected_stall_s if plan else 0.0,
@@ -283,6 +313,7 @@ class SwapManager:
             "plan_s": plan_s,
             "live_entries": self.executor.live_entries,
             "host_buffers_live": self.executor.pool.live,
+            "host_bytes": self.executor.pool.held_bytes,
         }
 
     def _accumulate(self, c: StepCounters, full: bool, changed: bool, profiler_s: float,

@@ -28,6 +28,7 @@ from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.manager import SwapManager
 from chameleon_megatron.swap.stage import StageTracker
 from chameleon_megatron.swap.summary import summary_table
+from chameleon_megatron.swap.threshold import bandwidth_threshold
 from chameleon_megatron.training.plugin import (
     StepAction,
     TrainContext,
@@ -66,6 +67,13 @@ def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int, device: torch
     return BudgetSpec(fraction=config.budget_fraction)
 
 
+def first_threshold(config: SwapConfig, bandwidth_bps: float) -> int:
+    """The size threshold until the first plan (then the plan's, ``threshold.py``)."""
+    if config.min_tensor_bytes is not None:
+        return config.min_tensor_bytes
+    return bandwidth_threshold(bandwidth_bps)
+
+
 class SwapPlugin(TrainerPlugin):
     """One rank's swap subsystem, driven by the trainer's hooks."""
 
@@ -79,7 +87,9 @@ class SwapPlugin(TrainerPlugin):
         """Pipeline depth of the first build (a recovery may change it later)."""
 
     def on_model_built(self, ctx: TrainContext) -> None:
-        """Build tracker, executor and manager for this rank's model (again after a rebuild)."""
+        """Build tracker, executor and manager for this rank's model (again after a rebuild,
+        keeping what out-of-memory errors taught)."""
+        oom_factor = self.manager.oom_factor if self.manager is not None else 1.0
         self._teardown()
         cfg, device = self.config, ctx.device
         spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device,
@@ -97,10 +107,11 @@ class SwapPlugin(TrainerPlugin):
         executor = SwapExecutor(tracker, copier=copier_for(device),
                                 pool=HostPool(pin=device.type == "cuda",
                                               cache_bytes=cfg.host_cache_bytes),
-                                min_bytes=cfg.min_tensor_bytes, exclude=held)
+                                min_bytes=first_threshold(cfg, bandwidth), exclude=held)
         self.rank = ctx.rank
         self.manager = SwapManager(cfg, executor, budget=spec, bandwidth_bps=bandwidth,
-                                   cost=measure_profiler_cost(), rank=ctx.rank)
+                                   cost=measure_profiler_cost(), rank=ctx.rank,
+                                   oom_factor=oom_factor)
         # Auto starts per layer, so the seams install the layer hooks it may need later.
         self.seams = SwapSeams(tracker, ctx.model)
         self.seams.install()
@@ -121,11 +132,12 @@ class SwapPlugin(TrainerPlugin):
 
     def on_step_failed(self, exc: BaseException,
                        trainer: TrainerHandle) -> StepAction | None:
-        """Redo a step that ran out of device memory when the lowered budget can help."""
+        """A step that ran out of device memory can be redone when the lowered budget can
+        help: by every rank together (the trainer sees to that)."""
         if isinstance(exc, torch.OutOfMemoryError) and self.manager is not None \
                 and self.manager.oom_retry and self._step_rng is not None:
             set_rng_state(self._step_rng)
-            return "redo"
+            return "abandon"
         return None
 
     def on_train_end(self) -> None:

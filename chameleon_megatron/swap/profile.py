@@ -46,6 +46,21 @@ class TensorRecord:
     """Event of the release; -1 if still alive at the end of the step."""
     device_bytes: int
     """Device memory in use at the pack (CUDA allocator; resident saved bytes on CPU)."""
+    use_device_bytes: int = -1
+    """Device memory in use at the first backward use (-1: never used)."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the CUDA allocator and the device said over a profiled step."""
+
+    peak_allocated: int
+    """Most bytes held by tensors at any time of the step."""
+    peak_reserved: int
+    """Most bytes the caching allocator held (tensors plus its cached, fragmented blocks)."""
+    outside_torch: int
+    """Device memory used beside torch's allocator at the end of the step (CUDA context,
+    NCCL buffers, cuBLAS workspaces): total - free - reserved."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,8 @@ class StepProfile:
     segment's measured time spread evenly over its events."""
     signature: StepSignature
     """The lightweight signature of the same step."""
+    device: DeviceMemory | None = None
+    """The device's view of the step (None without CUDA)."""
 
     @property
     def num_events(self) -> int:

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from chameleon_megatron.swap.profile import FREE, PACK, USE, StepProfile, TensorRecord
+from chameleon_megatron.swap.profile import (
+    FREE,
+    PACK,
+    USE,
+    DeviceMemory,
+    StepProfile,
+    TensorRecord,
+)
 from chameleon_megatron.swap.signature import StageKey, StepSignature
 
 
@@ -21,6 +28,7 @@ class FullRecorder:
     def __init__(self) -> None:
         self._rows: list[tuple] = []
         self._use: list[int] = []
+        self._use_bytes: list[int] = []
         self._free: list[int] = []
         self._events: list[tuple[int, int]] = []
         self._event_segment: list[int] = []
@@ -32,12 +40,14 @@ class FullRecorder:
         self._rows.append((stage, ordinal, code, history, occurrence, nbytes, shape, swappable,
                            len(self._events), device_bytes))
         self._use.append(-1)
+        self._use_bytes.append(-1)
         self._free.append(-1)
         self._event(uid, PACK, segment)
         return uid
 
-    def on_use(self, uid: int, segment: int) -> None:
+    def on_use(self, uid: int, segment: int, device_bytes: int = -1) -> None:
         self._use[uid] = len(self._events)
+        self._use_bytes[uid] = device_bytes
         self._event(uid, USE, segment)
 
     def on_free(self, uid: int, segment: int) -> None:
@@ -49,19 +59,20 @@ class FullRecorder:
         self._event_segment.append(segment)
 
     def finish(self, segments: Sequence[tuple[float, float]], op_names: Sequence[str],
-               signature: StepSignature) -> StepProfile:
+               signature: StepSignature, device: DeviceMemory | None = None) -> StepProfile:
         """The step's profile; ``segments`` are (start, end) wall times of each segment."""
         records = tuple(
             TensorRecord(uid=uid, stage=stage, ordinal=ordinal, op=op_names[code], code=code,
                          history=history, occurrence=occurrence, nbytes=nbytes, shape=shape,
                          swappable=swappable, pack_event=pack, use_event=self._use[uid],
-                         free_event=self._free[uid], device_bytes=device_bytes)
+                         free_event=self._free[uid], device_bytes=device_bytes,
+                         use_device_bytes=self._use_bytes[uid])
             for uid, (stage, ordinal, code, history, occurrence, nbytes, shape, swappable, pack,
                       device_bytes) in enumerate(self._rows)
         )
         return StepProfile(records=records, events=tuple(self._events),
                            event_times=spread_times(self._event_segment, segments),
-                           signature=signature)
+                           signature=signature, device=device)
 
 
 def spread_times(event_segment: Sequence[int],

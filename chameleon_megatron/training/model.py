@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,15 +13,43 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
+from chameleon_megatron.megatron.te_absent import te_usable
 from chameleon_megatron.training.init_weights import init_layout_independent
 
 logger = logging.getLogger(__name__)
 
 
-def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+@dataclass(frozen=True)
+class Kernels:
+    """Which fused GPU code this process can run (all False without CUDA)."""
+
+    transformer_engine: bool
+    """TransformerEngine imports and works: its layer spec (and persistent layer norm)."""
+    softmax: bool
+    """megatron's fused masked-softmax CUDA extensions are installed (apex or Megatron-LM's
+    fused kernels); megatron imports them at the first fused call, not before."""
+    jit: bool
+    """torch's fusers for bias-dropout-add and bias-GeLU (CUDA only)."""
+
+
+def available_kernels() -> Kernels:
+    if not torch.cuda.is_available():
+        return Kernels(transformer_engine=False, softmax=False, jit=False)
+    return Kernels(transformer_engine=te_usable(),
+                   softmax=all(importlib.util.find_spec(m) is not None for m in _SOFTMAX_EXT),
+                   jit=True)
+
+
+_SOFTMAX_EXT = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
+                "scaled_softmax_cuda")
+
+
+def transformer_config(args: argparse.Namespace, kernels: Kernels) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_gpu = torch.cuda.is_available()
+    k = kernels
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -57,33 +87,31 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         use_cpu_initialization=not on_gpu or args.use_cpu_initialization,
         # Fused kernels need CUDA (and apex/TE); the unfused paths compute the same thing.
         gradient_accumulation_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        bias_activation_fusion=on_gpu and not args.swiglu,
-        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=k.softmax,
+        bias_activation_fusion=k.jit and not args.swiglu,
+        bias_dropout_fusion=k.jit,
         apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
+        # Only TE's layer norm persists; megatron's torch norm (the local spec) refuses it.
+        persist_layer_norm=k.transformer_engine,
     )
 
 
-def layer_spec(args: argparse.Namespace):
+def layer_spec(args: argparse.Namespace, kernels: Kernels):
     """TransformerEngine spec when TE and CUDA are usable, megatron's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if torch.cuda.is_available():
-        try:
-            import transformer_engine  # noqa: F401
-
-            return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
-        except (ImportError, RuntimeError) as exc:
-            logger.info("TransformerEngine unusable (%s): using the local layer spec", exc)
+    if kernels.transformer_engine:
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
     return specs.get_gpt_layer_local_spec(num_experts=args.num_experts,
                                           normalization=args.normalization)
 
 
-def build_model_chunks(args: argparse.Namespace, config: TransformerConfig) -> list[GPTModel]:
-    """One GPTModel per virtual pipeline stage of this rank (one without interleaving)."""
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
+                       kernels: Kernels) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage of this rank (one without interleaving);
+    ``kernels``: those ``config`` was made for (the spec must agree with it)."""
     vpp = args.virtual_pipeline_model_parallel_size
-    spec = layer_spec(args)
+    spec = layer_spec(args, kernels)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -111,6 +139,11 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig) -> l
 
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig,
              chunks: list[GPTModel]) -> list[DistributedDataParallel]:
+    """Megatron's wrappers, as Megatron-LM's ``get_model`` stacks them: with --bf16 each
+    chunk is cast whole to bf16 (norms included) and runs in ``Float16Module`` (bf16 inputs,
+    fp32 outputs on the last stage), then DDP (fp32 main grads for bf16 parameters)."""
+    if config.bf16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,

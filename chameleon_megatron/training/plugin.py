@@ -17,7 +17,9 @@ import torch
 if TYPE_CHECKING:
     from chameleon_megatron.training.engine import StepEngine
 
-StepAction = Literal["redo", "stop"]
+StepAction = Literal["redo", "stop", "abandon"]
+"""What the loop does after a failed step: "redo" it (every rank of the job redoes it),
+"stop" quietly, or "abandon" it: this rank can redo it once every rank abandons it too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +112,15 @@ class TrainerPlugin:
         None: not this plugin's business (the next plugin is asked; if none answers, the
         exception propagates). "redo": the trainer's state was restored to a consistent
         step; run the next iteration. "stop": leave the loop quietly (a spare at job end).
+        "abandon": this rank's state allows a redo (e.g. a lowered swap budget after an
+        out-of-memory error), but its peers are mid-step: the trainer redoes it alone in a
+        world of one, else asks the plugins to ``abandon_step`` on every rank.
         """
+        return None
+
+    def abandon_step(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
+        """Make every rank of the job abandon the step in progress and redo it together
+        ("redo"); None: this plugin cannot."""
         return None
 
     def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:

@@ -37,6 +37,10 @@ from chameleon_megatron.training.validate import validate_args
 logger = logging.getLogger(__name__)
 
 
+class StepNotRedone(RuntimeError):
+    """A step failed on this rank alone, and nothing can make the others redo it."""
+
+
 class Trainer:
     """One training run on this rank; ``setup()`` then ``train()``, ``close()`` at the end.
     Plugins see it as a ``TrainerHandle``."""
@@ -84,8 +88,9 @@ class Trainer:
     def _build(self) -> None:
         """Model chunks, DDP, optimizer and LR schedule for the current parallel state."""
         args = self.args
-        self.config = model_lib.transformer_config(args)
-        chunks = model_lib.build_model_chunks(args, self.config)
+        kernels = model_lib.available_kernels()
+        self.config = model_lib.transformer_config(args, kernels)
+        chunks = model_lib.build_model_chunks(args, self.config, kernels)
         self.model = model_lib.wrap_ddp(args, self.config, chunks)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
@@ -333,11 +338,18 @@ class Trainer:
                                    consumed_samples=self.consumed_samples)
 
     def _on_step_failed(self, exc: Exception) -> StepAction | None:
-        for plugin in self.plugins:
-            action = plugin.on_step_failed(exc, self)
-            if action is not None:
-                return action
-        return None
+        action = next((a for p in self.plugins if (a := p.on_step_failed(exc, self))), None)
+        if action != "abandon":
+            return action
+        if self.env.world_size == 1:
+            return "redo"
+        together = next((a for p in self.plugins if (a := p.abandon_step(exc, self))), None)
+        if together is None:
+            raise StepNotRedone(
+                f"rank {self.env.rank}: step {self.iteration + 1} failed ({type(exc).__name__}: "
+                f"{exc}) and redoing it needs every rank of the job: run under chameleon-run "
+                "with --chameleon-ft, or give the job more memory") from exc
+        return together
 
     def emit(self, rec: dict[str, Any]) -> None:
         """Keep a record in this rank's history and write it to the metrics file (rank 0)."""

@@ -50,3 +50,60 @@ def _detector_derives_timeouts_once_steps_are_measured() -> None:
     assert detector.timeouts.pg_s == pytest.approx(1.8)
     detector.new_layout()
     assert detector.timeouts.pg_s == 50 and read_beats(job, [0])[0].timeout_s == 100
+
+
+def _blocked_peer(rank: int, port: int, out) -> None:
+    """Rank 0 waits in a recv from rank 1 (alive, in a group with a 60 s timeout); rank 1
+    leaves the world and interrupts its transport instead of sending."""
+    import datetime
+    import time
+
+    import torch
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    if rank == 1:
+        held = dist.group.WORLD  # as a model holds its groups: destroy alone closes nothing
+        time.sleep(0.5)
+        groups.destroy()
+        out.put(("interrupted", groups.interrupt("gloo", port)))
+        store.set("after", "1")  # the store survives
+        store.wait(["seen"], datetime.timedelta(seconds=30))  # alive until rank 0 is done
+        del held
+        return
+    start = time.monotonic()
+    try:
+        dist.recv(torch.zeros(4), src=1)
+        out.put(("received", None))
+    except RuntimeError as exc:
+        out.put(("raised", (time.monotonic() - start, str(exc), store.get("after").decode())))
+    finally:
+        store.set("seen", "1")
+        groups.destroy()
+
+
+def test_interrupting_gloo_makes_a_peer_blocked_on_a_live_rank_raise_at_once() -> None:
+    """gloo's abort/shutdown/destroy leave an op blocked on a live peer waiting for the
+    group's timeout; shutting the leaving rank's connections down ends it within a second
+    (and the job store's connection stays usable)."""
+    import multiprocessing
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_blocked_peer, args=(r, server.port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=45) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert results["interrupted"] >= 1
+    waited, message, after = results["raised"]
+    assert waited < 1.5 and after == "1", (waited, message)

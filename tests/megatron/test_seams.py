@@ -67,3 +67,38 @@ def test_plan_seams_fit_this_megatron_core_and_a_changed_signature_is_refused(mo
         monkeypatch.setattr(plan_seams, "NEEDS", needs)
         with pytest.raises(RuntimeError, match="schedules.backward_step lacks grad_scale"):
             plan_seams.check_plan_seams()
+
+
+class _Backend:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def _group_start(self) -> None:
+        self.log.append("start")
+
+    def _group_end(self) -> None:
+        self.log.append("end")
+
+
+class _Group:
+    def __init__(self, name: str, log: list, fails: bool = False) -> None:
+        self.name, self.log, self.fails = name, log, fails
+
+    def _get_backend(self, device):
+        return _Backend(self.log)
+
+    def abort(self) -> None:
+        self.log.append(f"abort {self.name}")
+        if self.fails:
+            raise RuntimeError("already aborted by the watchdog")
+
+
+def test_nccl_aborts_happen_together_inside_one_group_call() -> None:
+    """Aborted one at a time, one communicator's abort can wait behind another's hung
+    kernel: all of them go between one ncclGroupStart and ncclGroupEnd, newest first, and a
+    failing abort neither stops the others nor skips the group end."""
+    log: list[str] = []
+    groups_ = [_Group("world", log), _Group("tp", log, fails=True), _Group("dp", log)]
+    assert torch_seams.abort_together(groups_) == 2
+    assert log == ["start", "abort dp", "abort tp", "abort world", "end"]
+    assert torch_seams.abort_together([]) == 0

@@ -1,13 +1,16 @@
 """The training worker of the recovery tests: ``pretrain_gpt`` plus a state dump.
 
-    python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S] <trainer flags>
+    python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S]
+        [--oom-at RANK:ITERATION] <trainer flags>
 
 Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
 failure-free reference) with one more plugin: a rank that holds part of the model when
 training finishes writes, to ``DIR/<launch rank>.json``, its per-parameter sums of squares
 of weights and Adam moments (keyed by state unit and name) and Adam's step count; a spare
-at the end of the job writes ``{"spare": true}``. Only the standard library is imported at
-the top: checkpoint writers spawn helpers that re-import this file.
+at the end of the job writes ``{"spare": true}``. ``--oom-at`` makes that launch rank run out
+of device memory once, after the forward-backward of that step (without fault tolerance,
+whose ``kind=oom`` faults fire anywhere). Only the standard library is imported at the top:
+checkpoint writers spawn helpers that re-import this file.
 """
 
 from __future__ import annotations
@@ -39,11 +42,15 @@ def state_sums(ctx: Any) -> dict:
     return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
 
 
-def dump_plugin(iters: int, pace_s: float = 0.0) -> Any:
+def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None) -> Any:
     """A plugin that keeps the last model built on this rank and sums it up at the end;
     ``pace_s``: it waits that long between two steps (so that a restarted worker has time to
-    start up while the job still trains)."""
+    start up while the job still trains); ``oom_at``: the step whose forward-backward ends in
+    an out-of-memory error on this rank (once)."""
+    import contextlib
     import time
+
+    import torch
 
     import torch.distributed as dist
 
@@ -52,15 +59,20 @@ def dump_plugin(iters: int, pace_s: float = 0.0) -> Any:
     class DumpPlugin(TrainerPlugin):
         ctx: Any = None
         completed = 0
+        oom_at: int | None = None
         dump: dict | None = None
 
         def on_model_built(self, ctx: Any) -> None:
             self.ctx = ctx
 
+        @contextlib.contextmanager
         def step_context(self, iteration: int, *, training: bool):
             if training:
                 self.completed = iteration
-            return super().step_context(iteration, training=training)
+            yield
+            if training and iteration == self.oom_at:
+                self.oom_at = None
+                raise torch.OutOfMemoryError(f"injected at step {iteration}")
 
         def between_steps(self, trainer: Any) -> None:
             time.sleep(pace_s)
@@ -70,7 +82,9 @@ def dump_plugin(iters: int, pace_s: float = 0.0) -> Any:
             if self.completed == iters and dist.is_initialized():
                 self.dump = state_sums(self.ctx)
 
-    return DumpPlugin()
+    plugin = DumpPlugin()
+    plugin.oom_at = oom_at
+    return plugin
 
 
 def main(argv: list[str]) -> int:
@@ -78,7 +92,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dump", type=Path, required=True)
     parser.add_argument("--iters", type=int, required=True)
     parser.add_argument("--pace-s", type=float, default=0.0)
+    parser.add_argument("--oom-at", default=None, metavar="RANK:ITERATION")
     ours, rest = parser.parse_known_args(argv)
+    oom_at = None
+    if ours.oom_at is not None:
+        oom_rank, oom_iteration = map(int, ours.oom_at.split(":"))
+        oom_at = oom_iteration if int(os.environ.get("RANK", "0")) == oom_rank else None
     if "RANK" in os.environ:  # under a launcher: leave when it is gone
         sys.path.insert(0, str(Path(__file__).parent))
         from rt_support import guard_worker
@@ -86,7 +105,7 @@ def main(argv: list[str]) -> int:
         guard_worker(400)
     from chameleon_megatron import pretrain_gpt
 
-    plugin = dump_plugin(ours.iters, ours.pace_s)
+    plugin = dump_plugin(ours.iters, ours.pace_s, oom_at)
     build = pretrain_gpt.build_plugins
     pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
     pretrain_gpt.setup_logging()

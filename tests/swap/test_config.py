@@ -14,7 +14,7 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.swap.budget import BudgetSpec, resolve_budget
 from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.swap.plugin import budget_spec
-from chameleon_megatron.swap.profile import FREE, PACK, USE
+from chameleon_megatron.swap.profile import FREE, PACK, USE, DeviceMemory
 
 from profiles import make_profile
 
@@ -86,3 +86,20 @@ def test_budget_resolution():
     assert resolve_budget(spec, p) == 1200 - 1040
     with pytest.raises(ValueError, match="leave nothing for activations"):
         resolve_budget(BudgetSpec(device_fraction=0.4, device_total_bytes=2400), p)
+
+
+def test_the_device_fraction_counts_backward_the_allocator_and_memory_outside_torch():
+    """Forward's packs alone miss what backward adds (gradients, transients), the caching
+    allocator's slack and what NCCL/cuBLAS/the context hold: all come off the budget."""
+    p = make_profile([(100, True), (60, True)],
+                     [(0, PACK), (1, PACK), (1, USE), (1, FREE), (0, USE), (0, FREE)])
+    a, b = p.records
+    # At B's first use (event 2) 160 B are resident and the device holds 1500: 1340 other.
+    p = dataclasses.replace(p, records=(
+        dataclasses.replace(a, device_bytes=1000, use_device_bytes=1100),
+        dataclasses.replace(b, device_bytes=1200, use_device_bytes=1500)))
+    spec = BudgetSpec(device_fraction=0.75, device_total_bytes=2400)
+    assert resolve_budget(spec, p) == 1800 - 1340
+    device = DeviceMemory(peak_allocated=1500, peak_reserved=1600, outside_torch=50)
+    p = dataclasses.replace(p, device=device)
+    assert resolve_budget(spec, p) == 1800 - 1340 - 100 - 50

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -68,7 +70,8 @@ def test_host_buffers_are_reused_across_steps():
         with mgr.step(s):
             run_step(model, micro, mgr.executor.tracker, seed=s)
         allocated.append(mgr.executor.pool.allocated)
-    assert allocated[1] > 0 and allocated[3] == allocated[1]
+    # The plan made at the end of step 0 reserved its buffers then, not in step 1's forward.
+    assert allocated[0] == len(mgr.plan.decisions) > 0 and allocated[3] == allocated[0]
 
 
 def _executor(model, budget: int | None, min_bytes: int = 0) -> SwapExecutor:
@@ -173,13 +176,101 @@ def test_out_of_memory_on_swap_in_evicts_and_completes_the_step():
     assert ex.live_entries == 0 and ex.pool.live == 0
 
 
-def test_a_saved_tensor_whose_data_is_reassigned_is_refused():
-    # Autograd would still hold the old storage; the hooks hold the tensor object.
-    ex = _executor(torch.nn.Linear(1, 1), budget=None)
-    x = torch.randn(3, 4, requires_grad=True)
+def test_an_output_whose_data_is_reassigned_after_saving_backpropagates_as_without_hooks():
+    """Autograd keeps the storage an op's own saved output had when it was saved (megatron
+    frees a pipeline output's data after sending it); the hooks hold the same storage."""
+    def grads(hooked: bool) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 12).view(3, 4).requires_grad_()
+        ex = _executor(torch.nn.Linear(1, 1), budget=None)
+        with ex.hooks() if hooked else contextlib.nullcontext():
+            y = (x * 2).sigmoid()  # sigmoid saves its own output
+        z = y.sum()
+        y.data = torch.zeros(1)
+        z.backward()
+        return x.grad
+
+    assert torch.equal(grads(hooked=True), grads(hooked=False))
+
+
+def test_an_abandoned_step_releases_every_entry_and_host_buffer():
+    """Outputs their own op saves (softmax, sigmoid) must not keep their graph alive through
+    the handle: a step abandoned before backward (an OOM redo, a recovery) frees everything."""
+    import gc
+
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=32, layers=2)
+    micro = batches(0, 2, 2, 16)
+    mgr = make_manager(model, SwapConfig(enabled=True, budget_fraction=0.5, min_tensor_bytes=256))
+    for s in range(2):  # a plan exists from step 1 on: entries are swapped out to host
+        with mgr.step(s):
+            run_step(model, micro, mgr.executor.tracker, seed=s)
+    ex = mgr.executor
+    with pytest.raises(RuntimeError, match="abandoned"):
+        with mgr.step(2):
+            with ex.tracker.forward(0):
+                logits = model(micro[0][:, :-1])
+                extra = torch.sigmoid(logits)  # sigmoid saves its own output
+            assert ex.live_entries > 0 and ex.pool.live > 0
+            raise RuntimeError("step abandoned before backward")
+    del logits, extra
+    gc.collect()
+    assert ex.live_entries == 0 and ex.pool.live == 0 and ex.resident == ex.saved == 0
+
+
+def test_eviction_for_memory_skips_storages_other_tensors_still_share():
+    """Copying out a storage the forward still holds frees no device memory: an eviction
+    for an out-of-memory error leaves it and counts only what it really frees."""
+    x = torch.randn(1024, requires_grad=True)
+    ex = _executor(torch.nn.Linear(1, 1), budget=None, min_bytes=0)
     with ex.hooks():
-        h = x * 2
-        y = h.sin()  # saves h
-    h.data = torch.zeros(1)
-    with pytest.raises(RuntimeError, match="reassigned after autograd saved it"):
-        y.sum().backward()
+        live = x * 2  # still held here, like an activation the next layer reads
+        gone = (x * 3).sin()  # (x * 3) is held by autograd alone
+        out = live.sin().sum() + gone.sum()
+    by_ptr = {e.key: e for e in ex._entries.values()}
+    shared = by_ptr[live.untyped_storage().data_ptr()]
+    assert ex.evict(1 << 30, memory=True) == 4096  # only (x * 3)'s storage
+    assert shared.state == 0 and ex.counters.evictions == 1  # RESIDENT
+    assert ex.evict(1 << 30, memory=False) == 4096  # the budget counts it
+    out.backward()
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).cos() + 3 * (3 * x.detach()).cos())
+    assert ex.live_entries == 0 and ex.pool.live == 0
+
+
+class _InFlightCopier(SyncCopier):
+    """Copies back that stay "in flight" until waited for, like the CUDA streams'."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+        self.finished: list[object] = []
+
+    def start_in(self, host, device, after):
+        dst, _ = super().start_in(host, device, after)
+        return dst, object()
+
+    def done(self, token) -> bool:
+        return token is None or token in self.finished
+
+    def sync(self, token) -> None:
+        self.finished.append(token)
+
+    def wait_in(self, token) -> None:
+        self.waited.append(token)
+
+
+def test_a_copy_back_dropped_unused_is_waited_for_before_its_block_is_freed():
+    """A prefetched storage whose step is abandoned before its unpack: the compute stream
+    must pass the copy before the block can be reused (no record_stream holds it)."""
+    x = torch.randn(1024, requires_grad=True)
+    ex = SwapExecutor(StageTracker(), copier=_InFlightCopier(),
+                      pool=HostPool(pin=False, cache_bytes=1 << 20), min_bytes=0)
+    with ex.hooks():
+        y = (x * 2).sin()
+    entry = next(iter(ex._entries.values()))
+    ex._swap_out(entry)
+    ex._prefetch(entry)
+    token = entry.token
+    assert token is not None and ex.copier.waited == []
+    del y  # the step is abandoned: the handle dies unused
+    assert ex.copier.waited == [token]
+    ex.end_step()  # the host buffer returns once its copy has finished
+    assert ex.live_entries == 0 and ex.pool.live == 0

@@ -46,3 +46,90 @@ def test_cuda_swap_is_bitwise_within_budget_and_leak_free():
             assert m["swapped_out_bytes"] > 0
             assert m["peak_resident_saved_bytes"] <= m["budget_bytes"]
             assert m["prefetches"] > 0
+
+
+def _sleeping_blocks(model, cycles: int = 2_000_000) -> list:
+    """Forward hooks that keep the GPU busy after each block (the host runs ahead)."""
+    return [b.register_forward_hook(lambda *_: torch.cuda._sleep(cycles)) for b in model.blocks]
+
+
+def test_copies_in_flight_while_blocks_are_reused_stay_bitwise():
+    """No synchronisation per microbatch and a GPU kept busy: copies are still in flight when
+    the allocator hands their blocks out again (the races a CPU test cannot show)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=1024, layers=4, heads=8).to(device)
+    micro = [b.to(device) for b in batches(0, 4, 4, 512)]
+    ref = [run_step(model, micro, None, seed=s) for s in range(4)]
+    hooks = _sleeping_blocks(model)
+    tracker = StageTracker()
+    layer_hooks(model, tracker)
+    ex = SwapExecutor(tracker, copier=CudaCopier(device),
+                      pool=HostPool(pin=True, cache_bytes=64 << 20), min_bytes=1 << 16,
+                      exclude=list(model.parameters()))
+    mgr = SwapManager(SwapConfig(enabled=True, budget_fraction=0.3, min_tensor_bytes=1 << 16),
+                      ex, budget=BudgetSpec(fraction=0.3), bandwidth_bps=20e9,
+                      cost=ProfilerCost(light_s=0.0, full_s=0.0))
+    try:
+        for s in range(4):
+            with mgr.step(s):
+                out = run_step(model, micro, tracker, seed=s)
+            assert out[0] == ref[s][0]
+            assert all(torch.equal(a, b) for a, b in zip(out[1], ref[s][1]))
+            assert mgr.last_metrics["live_entries"] == 0
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_a_swap_cancelled_while_its_copy_is_in_flight_keeps_the_tensor():
+    device = torch.device("cuda")
+    ex = SwapExecutor(StageTracker(), copier=CudaCopier(device),
+                      pool=HostPool(pin=True, cache_bytes=1 << 30), min_bytes=0)
+    x = torch.randn(1 << 22, device=device, requires_grad=True)
+    with ex.hooks():
+        y = (x * 2).sin()
+    entry = next(iter(ex._entries.values()))
+    torch.cuda._sleep(5_000_000)  # the copy out queues behind this
+    ex._swap_out(entry)
+    ex._prefetch(entry)  # cancelled before the copy finished: the device copy is kept
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
+    ex.end_step()
+    assert ex.live_entries == 0 and ex.pool.live == 0
+
+
+def test_out_of_memory_in_a_copy_back_evicts_and_the_step_stays_bitwise():
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = ToyGPT(hidden=512, layers=4).to(device)
+    micro = [b.to(device) for b in batches(0, 2, 4, 256)]
+    ex = SwapExecutor(StageTracker(), copier=CudaCopier(device),
+                      pool=HostPool(pin=True, cache_bytes=1 << 30), min_bytes=1 << 16,
+                      exclude=list(model.parameters()))
+    real, calls = ex.copier.alloc, []
+
+    def alloc(nbytes, dev):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected")
+        return real(nbytes, dev)
+
+    ex.copier.alloc = alloc
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with ex.hooks():
+        logits = model(micro[0][:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[0][:, 1:].flatten())
+        entries = [e for e in ex._entries.values() if e.eligible]
+        for e in entries[:-1]:  # all but the newest go out; backward brings them back
+            ex._swap_out(e)
+        loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    logits = model(micro[0][:, :-1])
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[0][:, 1:].flatten())
+    want.backward()
+    assert loss.item() == want.item() and calls
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))

@@ -117,13 +117,15 @@ def make_manager(model: nn.Module, cfg, *, bandwidth_bps: float = 10e9, layers: 
     from chameleon_megatron.swap.executor import SwapExecutor
     from chameleon_megatron.swap.hostpool import HostPool
     from chameleon_megatron.swap.manager import SwapManager
+    from chameleon_megatron.swap.plugin import first_threshold
 
     tracker = StageTracker(granularity="layer" if layers else "microbatch")
     if layers and hasattr(model, "blocks"):
         layer_hooks(model, tracker)
     ex = SwapExecutor(tracker, copier=copier or SyncCopier(),
                       pool=HostPool(pin=False, cache_bytes=1 << 30),
-                      min_bytes=cfg.min_tensor_bytes, exclude=list(model.parameters()))
+                      min_bytes=first_threshold(cfg, bandwidth_bps),
+                      exclude=list(model.parameters()))
     spec = spec or BudgetSpec(absolute_bytes=cfg.budget_bytes, fraction=cfg.budget_fraction)
     return SwapManager(cfg, ex, budget=spec, bandwidth_bps=bandwidth_bps,
                        cost=ProfilerCost(light_s=0.0, full_s=0.0))

@@ -221,7 +221,8 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
         record, choice = dict(exc.record), None
     kept = choice == REROUTE and plans is None and reroute.reroute is not None
     if kept:
-        decision = _rerouted(current, reroute, holdings, profile, alive_set)
+        decision = _kept(current, reroute.reroute, reroute.t_step_s, holdings, profile,
+                         alive_set)
     else:
         decision = _replanned(replan, holdings, profile, alive_set)
     record.update(
@@ -237,13 +238,27 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     return dataclasses.replace(decision, record=record)
 
 
-def _rerouted(current: Plan, cand: Candidate, holdings: Holdings, profile: Profile,
-              alive: set[int]) -> RecoveryDecision:
+def keep_layout(current: Plan, reroute: ReroutePlan | None, *, alive: Sequence[int],
+                profile: Profile, cause: str) -> RecoveryDecision:
+    """Every member redoes an abandoned step in the layout trained now (``reroute``: the
+    rerouting in use, if any), as nobody failed since (a rank ran out of memory, say): no
+    search, and no state crosses the network."""
+    alive_set = set(alive)
+    holdings = {r: h for r, h in current.holdings().items() if r in alive_set}
+    decision = _kept(current, reroute, None, holdings, profile, alive_set)
+    record = {"cause": cause, "executed": "keep", "mode": decision.mode,
+              "executed_reason": f"{cause}: every rank redoes the step in the same layout",
+              "fallback": None, "layout_before": current.describe(),
+              "layout_after": current.describe(), "transfers": 0, "bytes_planned": 0}
+    return dataclasses.replace(decision, record=record)
+
+
+def _kept(current: Plan, rp: ReroutePlan | None, t_step_s: float | None, holdings: Holdings,
+          profile: Profile, alive: set[int]) -> RecoveryDecision:
     """Keep ``current``; the survivors keep their stages (copied into the plan runtime).
     Without dead ranks (new members were offered, but keeping the layout scores better)
     the plan runs as it did: a megatron layout natively, a heterogeneous one as a plan."""
-    rp = cand.reroute
-    dead = set(rp.failed_ranks)
+    dead = set(rp.failed_ranks) if rp is not None else set()
     mode: Mode = "reroute"
     active = tuple(r for r in stage_major_order(current) if r not in dead)
     if not dead:
@@ -255,7 +270,7 @@ def _rerouted(current: Plan, cand: Candidate, holdings: Holdings, profile: Profi
     return RecoveryDecision(
         mode=mode, plan=current, active=active, spares=tuple(sorted(alive - set(active))),
         transfers=kept_in_place(current, dead), fallback=None,
-        estimated_step_s=cand.t_step_s, reroute=rp if mode == "reroute" else None,
+        estimated_step_s=t_step_s, reroute=rp if mode == "reroute" else None,
         sync_groups=allreduce_groups(current, profile) if plan_groups else (),
         sync_rounds=allreduce_rounds(current, profile) if plan_groups else (),
         rng_donor=rng_donors(current, holdings))

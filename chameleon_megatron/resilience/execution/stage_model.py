@@ -19,14 +19,19 @@ import torch.distributed as dist
 from chameleon_megatron.megatron import plan_seams
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.placement import Slot, first_last
-from chameleon_megatron.training.model import layer_spec, transformer_config
+from chameleon_megatron.training.model import (
+    Kernels,
+    available_kernels,
+    layer_spec,
+    transformer_config,
+)
 
 
-def stage_config(args: argparse.Namespace, counts: Sequence[int]) -> Any:
+def stage_config(args: argparse.Namespace, counts: Sequence[int], kernels: Kernels) -> Any:
     """The trainer's TransformerConfig for a pipeline with ``counts`` layers per stage."""
     first, last = first_last(counts)
     return dataclasses.replace(
-        transformer_config(args), tensor_model_parallel_size=1,
+        transformer_config(args, kernels), tensor_model_parallel_size=1,
         pipeline_model_parallel_size=len(counts),
         virtual_pipeline_model_parallel_size=None,
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
@@ -38,9 +43,10 @@ def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
     """The stage ``slot`` of ``plan``; ``solo`` is a group of this rank alone (its TP and CP
     group at tp = 1). Weights are megatron's random init: load the real ones afterwards."""
     pipe = plan.pipelines[slot.pipeline]
-    config = stage_config(args, [len(st.layers) for st in pipe.stages])
+    kernels = available_kernels()
+    config = stage_config(args, [len(st.layers) for st in pipe.stages], kernels)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
-    return plan_seams.stage_gpt(config, layer_spec(args), args=args,
+    return plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
                                 pre_process=slot.stage == 0,
                                 post_process=slot.stage == pipe.depth - 1,
                                 groups=plan_seams.stage_groups(solo, position))

@@ -24,6 +24,7 @@ rebuild, transfers) happen here and nowhere else.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import time
@@ -35,7 +36,12 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.config import ResilienceConfig
-from chameleon_megatron.resilience.decision.center import RecoveryDecision, decide, world_order
+from chameleon_megatron.resilience.decision.center import (
+    RecoveryDecision,
+    decide,
+    keep_layout,
+    world_order,
+)
 from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
@@ -47,8 +53,8 @@ from chameleon_megatron.resilience.execution.runtime import build_runtime
 from chameleon_megatron.resilience.model_state import ModelState
 from chameleon_megatron.resilience.recovery import run_state
 from chameleon_megatron.resilience.recovery.detector import (
+    AbortWatcher,
     FailureDetector,
-    NcclAbortWatcher,
     Timeouts,
     is_communication_error,
 )
@@ -66,7 +72,12 @@ from chameleon_megatron.resilience.recovery.regroup import (
 )
 from chameleon_megatron.resilience.recovery.run_state import Agreed, RunState
 from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
-from chameleon_megatron.resilience.store.announce import failure_count, read_failures
+from chameleon_megatron.resilience.store.announce import (
+    AbandonRecord,
+    announce_abandon,
+    failure_count,
+    read_failures,
+)
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
 from chameleon_megatron.training.plugin import StepAction, TrainerHandle
@@ -139,7 +150,10 @@ class RecoveryController:
         self.started_at = time.time()
         self.estimated_step_s: float | None = None
         self.last_regroup_s: float | None = None
-        self.watcher = NcclAbortWatcher(job).start() if backend == "nccl" else None
+        self.interrupt = functools.partial(groups.interrupt, backend, job.port)
+        """Makes an operation blocked in the current world return (peers' too)."""
+        self.watcher = AbortWatcher(job, abort=self.interrupt)
+        self.watcher.start()
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
 
@@ -159,12 +173,8 @@ class RecoveryController:
 
     # ----------------------------------------------------------------------- entry
     def handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
-        """A step raised ``exc``: recover and say what the trainer does next (None: this
-        rank's own error, it must die and be announced)."""
-        if not is_communication_error(exc):
-            logger.error("local error in the step (%s: %s): leaving, to be announced failed",
-                         type(exc).__name__, exc)
-            return None
+        """A step raised ``exc``, a communication error: recover and say what the trainer
+        does next (None: nobody announced anything, this rank leaves)."""
         try:
             return self._handle(exc, trainer)
         except dist.DistNetworkError as lost:  # the store's host (node 0's agent) is gone
@@ -179,16 +189,34 @@ class RecoveryController:
     def _handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         abandoned = time.time()
         timeouts = self.detector.timeouts
-        if not self.detector.wait_for_failures(timeouts.rendezvous_s):
+        events = self.detector.wait_for_events(timeouts.rendezvous_s)
+        if not events:
             logger.error("communication error but no failure announced within %.1f s: "
                          "leaving (%s)", timeouts.rendezvous_s, exc)
             return None
+        return self._leave_step(trainer, events.cause, abandoned, timeouts)
+
+    def abandon(self, trainer: TrainerHandle, reason: str) -> StepAction:
+        """This rank cannot finish the step it is in (``reason``, e.g. "oom", now avoided):
+        it tells the job, and every rank abandons the step and redoes it, in the same
+        layout, as after a recovery."""
+        record = AbandonRecord(rank=self.me, iteration=trainer.iteration + 1, reason=reason,
+                               time=time.time())
+        announce_abandon(self.job, record)
+        logger.warning("rank %d abandons step %d (%s): every rank redoes it", self.me,
+                       record.iteration, reason)
+        self.detector.wait_for_events(0.0)  # its own announcement: handled here
+        return self._leave_step(trainer, reason, record.time, self.detector.timeouts)
+
+    def _leave_step(self, trainer: TrainerHandle, cause: str, abandoned: float,
+                    timeouts: Timeouts) -> StepAction:
         # Leave the old world now: peers still blocked on this rank in the abandoned step
         # see their connections close instead of waiting out the groups' creation timeout.
         self._keepalive()
         groups.destroy()
+        self.interrupt()  # the connections the old model still holds, too
         held = Held.of(trainer, self.rng_for_redo(trainer.iteration))
-        self._cause, self._invited = "failure", ()
+        self._cause, self._invited = cause, ()
         return self._serve(trainer, held, abandoned, timeouts)
 
     def _serve(self, trainer: TrainerHandle, held: Held, started: float,
@@ -273,16 +301,17 @@ class RecoveryController:
         self.detector.hold(self.ft.startup_timeout_s)
         if finished:
             self.job.mark_done()
-        if self.watcher is not None:
-            self.watcher.stop()
+        self.watcher.stop()
 
     # ----------------------------------------------------------------------- attempts
-    def _recover(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts, abandoned: float) -> bool:
+    def _recover(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
+                 abandoned: float) -> bool:
         """Recover under successive generations until one succeeds; True when this rank is
         active in the new layout, False when it is a spare."""
         clock: PhaseClock | None = None
         while True:
             self.generation += 1
+            self.watcher.acknowledge()  # the new generation's groups: only later events
             before = failure_count(self.job)
             try:
                 membership = agree_membership(self.job, self.generation, self.me, self.members,
@@ -319,8 +348,8 @@ class RecoveryController:
             time.sleep(0.05)
         return True
 
-    def _attempt(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts, membership: Membership,
-                 clock: PhaseClock) -> bool:
+    def _attempt(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
+                 membership: Membership, clock: PhaseClock) -> bool:
         scope = self.job.scoped(f"gen/{membership.generation}")
         run_state.publish(scope, self.me, held.run)
         states = run_state.read_all(scope, membership.members, timeouts.rendezvous_s)
@@ -354,8 +383,8 @@ class RecoveryController:
         return active
 
     # ----------------------------------------------------------------------- the steps
-    def _decision(self, trainer: TrainerHandle, scope: Any, membership: Membership, agreed: Agreed,
-                  timeouts: Timeouts) -> RecoveryDecision:
+    def _decision(self, trainer: TrainerHandle, scope: Any, membership: Membership,
+                  agreed: Agreed, timeouts: Timeouts) -> RecoveryDecision:
         """The leader (the lowest fresh member: it trained the current layout up to now and
         measured its step time) decides for everyone and publishes the decision."""
         if self.me == (agreed.fresh or membership.members)[0]:
@@ -366,7 +395,8 @@ class RecoveryController:
             raise RecoveryFailed(f"generation {membership.generation}: {data['error']}")
         return RecoveryDecision.from_dict(data)
 
-    def _decide(self, trainer: TrainerHandle, membership: Membership, agreed: Agreed) -> dict[str, Any]:
+    def _decide(self, trainer: TrainerHandle, membership: Membership,
+                agreed: Agreed) -> dict[str, Any]:
         args = trainer.args
         try:
             profile = runtime_profile(args, path=self.ft.profile,
@@ -375,10 +405,14 @@ class RecoveryController:
                                       step_time_s=self.detector.typical_step_time,
                                       regroup_s=self.last_regroup_s,
                                       history=self.feedback.observations())
-            decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
-                              profile=profile, d_s=self._expected_time_to_failure(),
-                              strategy=self.ft.strategy,
-                              plans=plan_refusal(args, self.plan))
+            if self._cause not in ("failure", "join", "replan"):  # an abandoned step
+                decision = keep_layout(self.plan, self.reroute, alive=membership.members,
+                                       profile=profile, cause=self._cause)
+            else:
+                decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
+                                  profile=profile, d_s=self._expected_time_to_failure(),
+                                  strategy=self.ft.strategy,
+                                  plans=plan_refusal(args, self.plan))
         except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}
@@ -427,8 +461,7 @@ class RecoveryController:
         self.plan, self.active, self.reroute = decision.plan, decision.active, decision.reroute
         self.estimated_step_s = decision.estimated_step_s
         self.detector.new_layout()
-        if self.watcher is not None:
-            self.watcher.rearm()
+        self.watcher.acknowledge()
         phases = clock.phases()
         self.last_regroup_s = phases["regroup"]
         if decision.estimated_step_s:

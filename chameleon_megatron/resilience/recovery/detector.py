@@ -3,9 +3,10 @@ announcements of the agents, and telling a peer's failure from a local error.
 
 How a survivor learns of a failure: a collective or p2p op with the dead rank raises within
 ~0.05 s (gloo: connection closed); one blocked on a live peer raises at the process-group
-timeout, so that timeout is derived from the step time instead of megatron's 30 minutes. On
-NCCL a watcher thread aborts the communicators when a failure is announced, which makes a
-blocked collective return at once.
+timeout, so that timeout is derived from the step time instead of megatron's 30 minutes; and a
+watcher thread interrupts the communication when a failure is announced (NCCL: aborts the
+communicators; gloo: shuts the connections down), which makes a blocked operation return at
+once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.config import ResilienceConfig
-from chameleon_megatron.resilience.store.announce import FailureRecord, failure_count, read_failures
+from chameleon_megatron.resilience.store.announce import (
+    AbandonRecord,
+    FailureRecord,
+    abandon_count,
+    failure_count,
+    read_abandons,
+    read_failures,
+)
 from chameleon_megatron.resilience.store.heartbeat import Heartbeat
 from chameleon_megatron.resilience.store.job_store import JobStore
 
@@ -118,7 +126,8 @@ class FailureDetector:
         self._timer = StepTimer(ft.timing_steps)
         self.timeouts = derive_timeouts(None, ft)
         self.seen = 0
-        """Announcements already handled."""
+        """Failure announcements already handled."""
+        self.seen_abandons = 0
 
     def beat(self, iteration: int | None = None) -> None:
         self._heartbeat.beat(self.timeouts.heartbeat_s, iteration)
@@ -156,40 +165,71 @@ class FailureDetector:
         self.seen += len(found)
         return found
 
-    def wait_for_failures(self, timeout_s: float, poll_s: float = 0.05) -> list[FailureRecord]:
-        """After a communication error: wait (beating) until a failure is announced."""
+    def new_abandons(self) -> list[AbandonRecord]:
+        """Abandoned steps not handled yet (non-blocking); marks them handled."""
+        found = read_abandons(self._job, self.seen_abandons)
+        self.seen_abandons += len(found)
+        return found
+
+    def wait_for_events(self, timeout_s: float, poll_s: float = 0.05) -> Events:
+        """After a communication error: wait (beating) until a failure or an abandoned step
+        is announced (empty after ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            found = self.new_failures()
-            if found or time.monotonic() > deadline:
-                return found
+            events = Events(self.new_failures(), self.new_abandons())
+            if events or time.monotonic() > deadline:
+                return events
             self.beat()
             time.sleep(poll_s)
 
 
-class NcclAbortWatcher:
-    """A thread that aborts NCCL communicators when a new failure is announced (on NCCL a
-    collective blocked on a dead peer otherwise waits for the full timeout)."""
+@dataclass(frozen=True)
+class Events:
+    """What the announcements say happened."""
 
-    def __init__(self, job: JobStore, abort: Callable[[], int] = groups.abort_communicators,
-                 period_s: float = 0.2) -> None:
+    failures: list[FailureRecord]
+    abandons: list[AbandonRecord]
+
+    def __bool__(self) -> bool:
+        return bool(self.failures or self.abandons)
+
+    @property
+    def cause(self) -> str:
+        """A failure if any rank failed, else the first abandon's reason."""
+        return "failure" if self.failures else self.abandons[0].reason
+
+
+class AbortWatcher:
+    """A thread that interrupts this process's communication when a new failure or abandoned
+    step is announced: an operation blocked on a peer that left (or died without its
+    connections closing) otherwise waits for the group's full timeout. ``abort``:
+    ``groups.interrupt`` for the backend (NCCL: abort the communicators; gloo: shut its
+    connections down).
+
+    The main thread ``acknowledge``s the events it handles before it builds new groups, so
+    that only later events (a failure during a recovery) interrupt those."""
+
+    def __init__(self, job: JobStore, abort: Callable[[], int], period_s: float = 0.2) -> None:
         self._job = job
         self._abort = abort
         self._period = period_s
         self._seen = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nccl-abort-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="abort-watcher", daemon=True)
         self.aborted_at: float | None = None
+        """When it last interrupted."""
 
-    def start(self) -> NcclAbortWatcher:
-        self._seen = failure_count(self._job)
+    def start(self) -> AbortWatcher:
+        self._seen = self._events()
         self._thread.start()
         return self
 
-    def rearm(self) -> None:
-        """After a recovery: abort again only for failures announced from now on."""
-        self._seen = failure_count(self._job)
-        self.aborted_at = None
+    def acknowledge(self) -> None:
+        """Every event announced so far is being handled: interrupt only for later ones
+        (returns once no interruption is in progress)."""
+        with self._lock:
+            self._seen = self._events()
 
     def stop(self) -> None:
         self._stop.set()
@@ -197,7 +237,24 @@ class NcclAbortWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            if self.aborted_at is None and failure_count(self._job) > self._seen:
-                n = self._abort()
-                self.aborted_at = time.time()
-                logger.warning("failure announced: aborted %d NCCL communicators", n)
+            try:
+                self._tick()
+            except dist.DistNetworkError as exc:  # the store is gone: nothing more to watch
+                logger.warning("abort watcher: the job store is unreachable (%s): stopping", exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - the watcher must outlive any one tick
+                # e.g. the main thread destroyed a group meanwhile: the next tick tries again.
+                logger.warning("abort watcher: %s: %s (retrying)", type(exc).__name__, exc)
+
+    def _events(self) -> int:
+        return failure_count(self._job) + abandon_count(self._job)
+
+    def _tick(self) -> None:
+        with self._lock:
+            count = self._events()
+            if count <= self._seen:
+                return
+            n = self._abort()
+            self._seen = count
+            self.aborted_at = time.time()
+        logger.warning("failure announced: interrupted %d communicators or connections", n)

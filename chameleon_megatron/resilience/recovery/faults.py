@@ -1,7 +1,7 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
 A fault is written
-``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception``
+``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception|oom``
 (the ``--chameleon-inject-fault`` syntax, repeatable) or built with ``FaultInjector.fail_at``.
 
 * ``rank`` is the rank the launcher gave the process at start: it names a process, so it
@@ -12,7 +12,8 @@ A fault is written
   and before any state moves (a failure during recovery; the recovery controller calls it).
 * ``kind``: ``exit`` ends the process at once with ``INJECTED_EXIT_CODE`` (no clean-up, like a
   crash); ``hang`` blocks the calling thread forever (only a heartbeat timeout finds it);
-  ``exception`` raises ``InjectedFault`` from the training code.
+  ``exception`` raises ``InjectedFault`` from the training code; ``oom`` raises torch's
+  ``OutOfMemoryError`` there (the process lives: with swap on, every rank redoes the step).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from typing import Iterable, Literal, get_args
 logger = logging.getLogger(__name__)
 
 Phase = Literal["forward", "backward", "optimizer", "recovery"]
-FaultKind = Literal["exit", "hang", "exception"]
+FaultKind = Literal["exit", "hang", "exception", "oom"]
 PHASES: tuple[str, ...] = get_args(Phase)
 KINDS: tuple[str, ...] = get_args(FaultKind)
 INJECTED_EXIT_CODE = 43
 """Exit status of a process ended by an injected ``exit`` fault."""
 
-_SYNTAX = "rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception"
+_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|optimizer|recovery,"
+           "kind=exit|hang|exception|oom")
 
 
 class InjectedFault(RuntimeError):
@@ -133,6 +135,10 @@ def _fire(spec: FaultSpec) -> None:
         os._exit(INJECTED_EXIT_CODE)
     if spec.kind == "exception":
         raise InjectedFault(f"injected fault {spec}")
+    if spec.kind == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected fault {spec}")
     while True:  # hang: only the agent's heartbeat check ends this process
         time.sleep(3600)
 

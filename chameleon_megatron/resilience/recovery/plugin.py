@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 from chameleon_megatron.configurable import ConfigError
@@ -31,7 +32,10 @@ from chameleon_megatron.resilience.decision.layout import UniformLayout
 from chameleon_megatron.resilience.decision.profile import load_profile
 from chameleon_megatron.resilience.model_state import ModelState
 from chameleon_megatron.resilience.recovery.controller import RecoveryController
-from chameleon_megatron.resilience.recovery.detector import FailureDetector
+from chameleon_megatron.resilience.recovery.detector import (
+    FailureDetector,
+    is_communication_error,
+)
 from chameleon_megatron.resilience.recovery.fault_hooks import install_fault_hooks
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import check_profile
@@ -154,10 +158,20 @@ class ResiliencePlugin(TrainerPlugin):
         return bool(saves or evaluates)
 
     def on_step_failed(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
+        """A peer's failure (a communication error): recover. A local error is another
+        plugin's to fix, or ends this process, which its agent then announces."""
         assert self.controller is not None, "on_model_built was not called"
+        if not is_communication_error(exc):
+            return None
         action = self.controller.handle(exc, trainer)
         self._leaving = action is None
         return action
+
+    def abandon_step(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
+        """Every rank abandons the step and redoes it in the same layout."""
+        assert self.controller is not None, "on_model_built was not called"
+        reason = "oom" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
+        return self.controller.abandon(trainer, reason)
 
     def between_steps(self, trainer: TrainerHandle) -> StepAction | None:
         assert self.controller is not None, "on_model_built was not called"

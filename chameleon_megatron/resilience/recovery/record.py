@@ -42,8 +42,9 @@ def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
                     layout_after: dict[str, Any], spares: Iterable[int], redo_iteration: int,
                     migrated_bytes: int, fallback: str | None = None, cause: str = "failure",
                     joined: Iterable[int] = ()) -> dict[str, Any]:
-    """``cause``: "failure", or a change between steps without one: "join" (new members
-    admitted: ``joined``) or "replan" (leaving rerouting for a re-planned layout)."""
+    """``cause``: "failure"; a change between steps without one: "join" (new members
+    admitted: ``joined``) or "replan" (leaving rerouting for a re-planned layout); or why a
+    live rank abandoned a step that every rank then redid ("oom")."""
     failures = sorted(failures, key=lambda f: f.rank)
     return {
         "event": "recovery",
@@ -67,9 +68,11 @@ def summary(record: dict[str, Any]) -> str:
     """One readable line for the log."""
     p = record["phases_s"]
     how = "from checkpoint" if record["fallback"] == "checkpoint" else "in memory"
+    cause = record["cause"]
     what = {"failure": f"recovered {how} from failure of ranks {record['failed_ranks']}",
             "join": f"grew the job with ranks {record['joined']}",
-            "replan": "left rerouting for a re-planned layout"}[record["cause"]]
+            "replan": "left rerouting for a re-planned layout"}.get(
+                cause, f"every rank redid a step abandoned for {cause}")
     return (f"{what} "
             f"(generation {record['generation']}): layout {record['layout_after']}, "
             f"spares {record['spares']}, redo iteration {record['redo_iteration']}; "

@@ -80,3 +80,38 @@ def read_failures(job: JobStore, start: int = 0, wait_s: float = 10.0) -> list[F
 
 def failed_ranks(job: JobStore) -> frozenset[int]:
     return frozenset(r.rank for r in read_failures(job))
+
+
+@dataclass(frozen=True)
+class AbandonRecord:
+    """A live rank that cannot finish a step (e.g. out of device memory): every rank of the
+    job abandons that step and redoes it in the same layout. Nobody failed."""
+
+    rank: int
+    """Launch rank of the process that asked."""
+    iteration: int
+    """The step abandoned (1-based)."""
+    reason: str
+    """Why, e.g. "oom"; becomes the recovery's cause."""
+    time: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def announce_abandon(job: JobStore, record: AbandonRecord) -> None:
+    index = job.store.add("abandon/count", 1) - 1
+    job.store.set(f"abandon/{index}", record.to_json())
+
+
+def abandon_count(job: JobStore) -> int:
+    return job.counter("abandon/count")
+
+
+def read_abandons(job: JobStore, start: int = 0, wait_s: float = 10.0) -> list[AbandonRecord]:
+    """Abandoned steps from index ``start`` on, in announcement order."""
+    out = []
+    for i in range(start, abandon_count(job)):
+        job.store.wait([f"abandon/{i}"], datetime.timedelta(seconds=wait_s))
+        out.append(AbandonRecord(**json.loads(job.store.get(f"abandon/{i}"))))
+    return out

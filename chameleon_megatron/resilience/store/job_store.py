@@ -22,16 +22,18 @@ RELAUNCH_ENV = "CHAMELEON_FT_RELAUNCH"
 class JobStore:
     """A namespaced view of the job store, shared by agents and workers of one run."""
 
-    def __init__(self, store: dist.Store, run_id: str) -> None:
+    def __init__(self, store: dist.Store, run_id: str, port: int | None = None) -> None:
         self.run_id = run_id
         self.store = dist.PrefixStore(f"chameleon/{run_id}/", store)
+        self.port = port
+        """The server's TCP port (None: an in-process store)."""
 
     @classmethod
     def connect(cls, host: str, port: int, run_id: str, timeout_s: float = 60.0) -> JobStore:
         """A client connection to the job store's server."""
         client = dist.TCPStore(host, port, is_master=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(client, run_id)
+        return cls(client, run_id, port)
 
     @classmethod
     def from_env(cls, timeout_s: float = 60.0) -> JobStore:

@@ -14,11 +14,12 @@ import pytest
 import torch.distributed as dist
 
 from chameleon_megatron.resilience.store.announce import (
-    FailureRecord, announce, failed_ranks, failure_count, read_failures,
+    AbandonRecord, FailureRecord, announce, announce_abandon, failed_ranks, failure_count,
+    read_failures,
 )
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.detector import (
-    NcclAbortWatcher, StepTimer, derive_timeouts, is_communication_error,
+    AbortWatcher, StepTimer, derive_timeouts, is_communication_error,
 )
 from chameleon_megatron.resilience.recovery.faults import InjectedFault
 from chameleon_megatron.resilience.store.heartbeat import Beat, Heartbeat, overdue, read_beats
@@ -205,24 +206,56 @@ def test_the_first_decision_stands_for_late_readers() -> None:
         agree_membership(j, 1, 7, [0, 1, 7], timeout_s=5)
 
 
-def test_the_abort_watcher_aborts_once_per_new_failure() -> None:
+def test_the_abort_watcher_interrupts_once_per_new_announcement() -> None:
     j = job()
     announce(j, FailureRecord(rank=9, time=0.0, reason="exit", exitcode=1))  # before start
     calls: list[float] = []
-    watcher = NcclAbortWatcher(j, abort=lambda: calls.append(1) or 3, period_s=0.02).start()
+    watcher = AbortWatcher(j, abort=lambda: calls.append(1) or 3, period_s=0.02).start()
     try:
         time.sleep(0.1)
         assert calls == []
         announce(j, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
-        announce(j, FailureRecord(rank=2, time=0.0, reason="exit", exitcode=1))
         _until(lambda: watcher.aborted_at is not None)
         time.sleep(0.1)
         assert calls == [1]
-        watcher.rearm()
-        time.sleep(0.1)
-        assert calls == [1]
-        announce(j, FailureRecord(rank=3, time=0.0, reason="exit", exitcode=1))
-        _until(lambda: len(calls) == 2)
+        announce_abandon(j, AbandonRecord(rank=0, iteration=3, reason="oom", time=0.0))
+        _until(lambda: len(calls) == 2)  # an abandoned step interrupts too
+    finally:
+        watcher.stop()
+
+
+def test_events_the_main_thread_acknowledged_do_not_interrupt_its_new_groups() -> None:
+    j = job()
+    calls: list[int] = []
+    watcher = AbortWatcher(j, abort=lambda: calls.append(1) or 1)  # ticks driven here
+    watcher.acknowledge()
+    announce(j, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
+    watcher.acknowledge()  # handled by the main thread, which builds new groups next
+    watcher._tick()
+    assert calls == []
+    announce(j, FailureRecord(rank=2, time=0.0, reason="exit", exitcode=1))  # during it
+    watcher._tick()
+    watcher._tick()
+    assert calls == [1]
+
+
+def test_the_abort_watcher_survives_an_abort_that_raises() -> None:
+    """The main thread destroys groups while the watcher aborts them: a tick that raises
+    must not end the watcher; it tries again on the next one."""
+    j = job()
+    calls: list[int] = []
+
+    def abort() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("Invalid process group specified or has been destroyed.")
+        return 2
+
+    watcher = AbortWatcher(j, abort=abort, period_s=0.02).start()
+    try:
+        announce(j, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
+        _until(lambda: watcher.aborted_at is not None)
+        assert calls == [1, 1] and watcher._thread.is_alive()
     finally:
         watcher.stop()
 

@@ -68,7 +68,7 @@ def worker_main(out: Path) -> int:
                     time.sleep(0.05)
             except RuntimeError as exc:
                 assert is_communication_error(exc), exc
-            assert detector.wait_for_failures(timeout_s=20), "no failure announced"
+            assert detector.wait_for_events(timeout_s=20).failures, "no failure announced"
         else:
             log.append({"gen": generation, "spare": True})
             if wait_as_spare(job, generation, on_wait=detector.beat) == "done":

@@ -1,5 +1,8 @@
-"""Swap and fault tolerance together: a job that swaps activations keeps swapping, within
-budget and without changing a number, on the layout a recovery re-plans.
+"""Swap and fault tolerance together.
+
+A job that swaps activations keeps swapping, within budget and without changing a number, on
+the layout a recovery re-plans; and a rank that runs out of device memory mid-step makes
+every rank abandon the step and redo it together (never alone: its peers are mid-step).
 
 4 ranks DP2 x PP2 with per-stage swap budgets (700 kB for stage 0, 600 kB for stage 1); rank
 3 dies in step 3; a profile with a slow all-reduce makes the re-plan one heterogeneous
@@ -17,9 +20,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, assert_losses_match, assert_same_state, combine, faults, launch, run_reference,
-    write_profile,
+    FT, assert_losses_match, assert_same_state, combine, faults, job_args, launch, outcome,
+    run_reference, write_profile,
 )
+from rt_support import run_launcher  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -54,3 +58,46 @@ def test_swap_keeps_working_on_a_re_planned_heterogeneous_layout(tmp_path: Path)
     stages = [r[0] for r in lay["pipelines"][0]["stages"]]
     assert_same_state(combine([ref_dump]), combine([{**dumps[r], "dp_rank": 0} for r in stages]),
                       iters=ITERS)
+
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+ONE_BUDGET = ["--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024",
+              "--chameleon-swap-budget-bytes", "700000"]
+
+
+def test_out_of_memory_mid_step_is_redone_by_every_rank_together(tmp_path: Path) -> None:
+    """PP2: rank 0 (stage 0) runs out of memory in the backward of step 3, after stage 1 has
+    sent it gradients. Both ranks abandon step 3 and redo it in the same layout, with the
+    lowered budget on rank 0; every loss and the final state as without the error."""
+    (tmp_path / "reference").mkdir()
+    ref_losses, ref_dump = run_reference(tmp_path / "reference", ITERS)
+    run = tmp_path / "run"
+    run.mkdir()
+    recs, dumps, log = launch(run, 2, [
+        *PP2, *FT, "--chameleon-ft-startup-timeout-s", "120", *ONE_BUDGET,
+        *faults("rank=0,iteration=3,phase=backward,kind=oom")], timeout_s=200, iters=ITERS)
+    assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
+    (recovery,) = [r for r in recs if r["event"] == "recovery"]
+    assert recovery["cause"] == "oom" and recovery["failures"] == [], recovery
+    assert recovery["redo_iteration"] == 3 and recovery["migrated_bytes"] == 0
+    assert recovery["layout_after"]["mode"] == "megatron"
+    assert (recovery["layout_after"]["pp"], recovery["layout_after"]["dp"]) == (2, 1)
+    swap = {r["iteration"]: r["swap"] for r in recs if r["event"] == "iteration"}
+    assert swap[2]["budget_bytes"] == 700000
+    for i in range(3, ITERS + 1):  # rank 0's budget, lowered by oom_backoff 0.8
+        assert swap[i]["budget_bytes"] == 560000, (i, swap[i])
+        assert swap[i]["peak_resident_saved_bytes"] <= swap[i]["budget_bytes"]
+    assert_same_state(combine([ref_dump]), combine([dumps[0], dumps[1]]), iters=ITERS)
+
+
+def test_without_fault_tolerance_a_shared_step_is_not_redone_alone(tmp_path: Path) -> None:
+    """The same error without --chameleon-ft: no rank can make the others redo the step, so
+    the job ends with a message that says so (a rank redoing it alone would hang or mix the
+    steps of its peers)."""
+    args = job_args(tmp_path, 2, [*PP2, *ONE_BUDGET, "--oom-at", "0:3"])
+    code, _ = run_launcher(["--standalone", *args], tmp_path / "log", timeout_s=150)
+    log = (tmp_path / "log").read_text()
+    assert code != 0, log[-3000:]
+    assert "StepNotRedone: rank 0: step 3 failed (OutOfMemoryError" in log, log[-3000:]
+    assert "needs every rank of the job: run under chameleon-run with --chameleon-ft" in log
+    outcome(tmp_path)  # no process left behind

@@ -1,0 +1,77 @@
+"""Closing the gloo transport of this process, so that an operation blocked in it returns.
+
+On gloo nothing torch offers (``abort``, ``shutdown``, ``destroy_process_group``) interrupts
+an operation blocked on a live peer: it waits for the peer or for the group's timeout, and
+gloo's point-to-point waits keep the timeout of the group's creation. Shutting the process's
+gloo connections down (``socket.shutdown(SHUT_RDWR)`` on duplicates of their descriptors)
+makes such an operation raise "Connection closed by peer" within milliseconds, on this
+process and on the peers at the other end. The job store's connections are kept: they are
+the ones to or from its port.
+
+Linux only (the connections are found in ``/proc``); elsewhere nothing is closed and the
+groups' timeouts bound the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_ESTABLISHED = "01"
+
+
+def _tcp_ports() -> dict[int, tuple[int, int]]:
+    """socket inode -> (local port, remote port) of this network namespace's established
+    TCP connections."""
+    out: dict[int, tuple[int, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _ESTABLISHED:
+                continue
+            local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
+            out[int(fields[9])] = (local, remote)
+    return out
+
+
+def _socket_fds() -> dict[int, int]:
+    """socket inode -> file descriptor, for this process's sockets."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(name)
+    return out
+
+
+def close_connections(keep_ports: set[int]) -> int:
+    """Shut down this process's established TCP connections except those to or from a port
+    in ``keep_ports``; returns how many were shut down."""
+    ports = _tcp_ports()
+    closed = 0
+    for inode, fd in _socket_fds().items():
+        local_remote = ports.get(inode)
+        if local_remote is None or keep_ports & set(local_remote):
+            continue
+        try:
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+            closed += 1
+        except OSError as exc:  # closed meanwhile, or not a stream socket after all
+            logger.debug("shutdown of fd %d skipped: %s", fd, exc)
+    return closed
