@@ -233,6 +233,7 @@ class MegatronLMHook:
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
             dp_rank=mpu.get_data_parallel_rank(),
             vpp_size=margs.virtual_pipeline_model_parallel_size or 1,
+            pipeline_group=mpu.get_pipeline_model_parallel_group(),
             extra={"optimizer": optimizer, "opt_param_scheduler": scheduler},
         )
 

@@ -27,8 +27,9 @@ def build_plugins(cfg: ChameleonConfig) -> list["TrainerPlugin"]:
     plugins: list["TrainerPlugin"] = []
     if cfg.ft.enabled:  # outermost: its step time includes the others' work
         from chameleon_megatron.resilience.recovery.plugin import ResiliencePlugin
+        from chameleon_megatron.swap.config import planned_bandwidth
 
-        plugins.append(ResiliencePlugin(cfg.ft))
+        plugins.append(ResiliencePlugin(cfg.ft, swap_bandwidth_Bps=planned_bandwidth(cfg.swap)))
     if cfg.swap.enabled:
         from chameleon_megatron.swap.plugin import SwapPlugin
 

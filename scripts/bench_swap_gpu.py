@@ -16,6 +16,9 @@ cannot travel to the lent machine), bf16, AdamW, forward_backward_no_pipelining.
 * ``bandwidth``: bytes/s of the executor's copy engine (device->host and back, tensors of
   the swap's typical size) against a plain pinned copy of the same bytes. Goal >= 80 %.
 
+The swap rows: "chameleon swap" lets the policy recompute leading layers where that costs
+less than the swap's stall (offload or recompute); "chameleon swap only" never recomputes.
+
     python scripts/bench_swap_gpu.py [--only throughput,capacity,bandwidth] [--layers 24 ...]
     python scripts/bench_swap_gpu.py --smoke   # tiny sizes, runs on CPU too (no numbers)
 """
@@ -160,7 +163,7 @@ def throughput(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     for name, extra in (("no swap", {}), ("full recompute", recompute),
                         ("megatron offloading", offload), ("save_on_cpu", {}),
-                        ("chameleon swap", {})):
+                        ("chameleon swap only", {}), ("chameleon swap", {})):
         if name == "megatron offloading" and importlib.util.find_spec("transformer_engine") is None:
             runs[name] = {"skipped": "needs TransformerEngine (not on this machine)"}
             continue
@@ -169,9 +172,10 @@ def throughput(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         if name == "save_on_cpu":
             def context():
                 return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
-        elif name == "chameleon swap":
+        elif name.startswith("chameleon swap"):  # with, and without, offload-or-recompute
             plugin = swap_plugin(model, device, SwapConfig(
-                enabled=True, budget_fraction=0.5, min_tensor_bytes=a.min_tensor_bytes))
+                enabled=True, budget_fraction=0.5, min_tensor_bytes=a.min_tensor_bytes,
+                recompute=name == "chameleon swap"))
         try:
             runs[name] = train(model, opt, a, device, a.steps, plugin=plugin, context=context)
         except (RuntimeError, AssertionError, ValueError) as exc:  # report, go on with the rest

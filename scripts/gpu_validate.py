@@ -43,14 +43,15 @@ def _checks_py(check: str) -> list[str]:
 
 
 PRESET_RUN = [PY, "-m", "chameleon_megatron.pretrain_gpt", "--mock-data", "--train-iters",
-              "6", "--num-layers", "2", "--tensor-model-parallel-size", "1",
-              "--pipeline-model-parallel-size", "1", "--global-batch-size", "4",
-              "--micro-batch-size", "1", "--log-interval", "1", "--chameleon-metrics-file",
-              "{out}.metrics.jsonl"]
+              "4", "--lr-warmup-iters", "1", "--num-layers", "2",
+              "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+              "--global-batch-size", "4", "--micro-batch-size", "1", "--log-interval", "1",
+              "--chameleon-metrics-file", "{out}.metrics.jsonl"]
 
 CHECKS = [
     Check("gpu_tests", [PY, "-m", "pytest", "-q", "-m", "gpu", "tests"],
-          [PY, "-m", "pytest", "-q", "-m", "gpu", "--collect-only", "tests"], 240),
+          [PY, "-m", "pytest", "-q", "-m", "gpu", "--collect-only", "tests/swap/test_gpu.py",
+           "tests/test_presets_gpu.py"], 240),
     Check("overlap", _checks_py("overlap"), [*_checks_py("overlap"), "--dry-run"], 90),
     Check("overlap_max_connections_1", _checks_py("overlap"), None, 90,
           env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),

@@ -55,6 +55,10 @@ def test_swap_alone_runs_on_every_cpu_preset(tmp_path):
             tmp_path, name=name)
         swap = [r["swap"] for r in records if r["event"] == "iteration"]
         assert len(swap) == 3
-        for s in swap[1:]:  # planned from the second step on
-            assert s["plan_version"] >= 1 and s["swapped_out_bytes"] > 0, s
-            assert s["peak_resident_saved_bytes"] <= s["budget_bytes"], s
+        for s in swap[1:]:  # planned from the second step on, on every pipeline stage
+            assert [st["stage"] for st in s["stages"]] == [0, 1]
+            for st in s["stages"]:
+                assert st["plan_version"] >= 1 and st["swapped_out_bytes"] > 0, st
+                assert st["peak_resident_saved_bytes"] <= st["budget_bytes"], st
+        # 1F1B: the first stage holds more microbatches in flight than the last
+        assert swap[-1]["stages"][0]["peak_saved_bytes"] > swap[-1]["stages"][1]["peak_saved_bytes"]

@@ -4,13 +4,16 @@ and the choice by Eq. 8 (JSON with ``--json``, else a table)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from chameleon_megatron.resilience.decision.candidates import Candidates, make_candidates
+from chameleon_megatron.resilience.decision.center import swap_budgets
 from chameleon_megatron.resilience.decision.layout import Plan, UniformLayout
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+from chameleon_megatron.resilience.decision.perf_model import plan_step
 from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
 from chameleon_megatron.resilience.decision.profile import load_profile
 from chameleon_megatron.resilience.decision.selector import NoFeasibleCandidate, select
@@ -50,6 +53,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-pipelines", type=int, default=None)
     p.add_argument("--max-idle", type=int, default=None, help="most TP groups left idle")
     p.add_argument("--time-limit-s", type=float, default=5.0, help="plan search limit (default 5)")
+    p.add_argument("--swap-bandwidth-gbps", type=float, default=None,
+                   help="the job swaps activations at this host<->device bandwidth: stages over "
+                        "device memory may swap to fit (0: no swapping; default: the profile's)")
     p.add_argument("--write-plan", help="write the chosen layout as plan JSON")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -57,6 +63,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
+    if args.swap_bandwidth_gbps is not None:
+        if args.swap_bandwidth_gbps < 0:
+            raise SystemExit(f"--swap-bandwidth-gbps={args.swap_bandwidth_gbps}: must be >= 0")
+        profile = dataclasses.replace(profile, swap_bandwidth_Bps=args.swap_bandwidth_gbps * 1e9)
     if args.layout:
         current = parse_layout(args.layout).to_plan(profile.num_layers, profile.global_microbatches)
     else:
@@ -74,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     cands = make_candidates(current, dead, Planner(profile, options))
     try:
         decision = select(cands, d_s=d_s, batch=profile.global_batch_size, strategy=args.strategy)
-        record, chosen = decision.record, decision.chosen
+        record, chosen = dict(decision.record), decision.chosen
+        est = chosen.reroute.estimate(profile) if chosen.reroute else plan_step(chosen.plan,
+                                                                               profile)
+        record["swap"] = swap_budgets(chosen.plan, est)[1]
     except NoFeasibleCandidate as exc:
         record, chosen = exc.record, None
     if args.write_plan and chosen is not None:
@@ -111,6 +124,11 @@ def _table(cands: Candidates, record: dict[str, Any]) -> str:
                      f"{num(row['t_step_s'], '.3f'):>10}{num(row['t_transition_s'], '.2f'):>11}"
                      f"{num(row['score'], '.2f'):>10}  {detail}")
     lines.append(f"choice: {record['choice'] or 'none (no feasible candidate)'}")
+    for sw in record.get("swap", ()):
+        lines.append(f"  pipeline {sw['pipeline']} stage {sw['stage']} (ranks {sw['ranks']}) "
+                     f"swaps to fit: keeps {sw['fraction']:.0%} of its activations "
+                     f"({sw['budget_bytes'] / 2**30:.2f} GiB), stall {sw['stall_s']:.3f} s "
+                     "per step")
     restore = cands.replan.restore
     if restore is not None:
         lines.append(f"re-plan restore: {len(restore.transfers)} transfers, "

@@ -1,9 +1,10 @@
 """``chameleon report METRICS.jsonl [--out PNG]``: resident saved memory with and without swap.
 
 Reads the iteration records of a metrics file written with ``--chameleon-swap`` and draws,
-per iteration, the peak of resident saved-activation bytes with swap, the peak the same
-step would have had without it, and the budget; re-profiled steps and detected sequence
-changes are marked. Prints a short summary.
+per pipeline stage (one panel each: the budgets are per stage) and per iteration, the peak
+of resident saved-activation bytes with swap, the peak the same step would have had without
+it, and the budget; re-profiled steps and detected sequence changes are marked. Prints a
+short summary per stage.
 """
 
 from __future__ import annotations
@@ -26,72 +27,88 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def swap_series(records: list[dict[str, Any]]) -> dict[str, list]:
-    """Per-iteration columns of the records that carry swap metrics."""
-    rows = [(r["iteration"], r["swap"]) for r in records if r.get("swap")]
-    return {
-        "iteration": [i for i, _ in rows],
-        "with_swap": [s["peak_resident_saved_bytes"] for _, s in rows],
-        "without_swap": [s["peak_saved_bytes"] for _, s in rows],
-        "budget": [s["budget_bytes"] for _, s in rows],
-        "swapped_out": [s["swapped_out_bytes"] for _, s in rows],
-        "blocking": [s["blocking_swapins"] for _, s in rows],
-        "planned": [s["plan_version"] > 0 for _, s in rows],
-        "full": [s["mode"] == "full" for _, s in rows],
-        "changed": [s["sequence_changed"] for _, s in rows],
-    }
+def _stages(swap: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each stage's figures of one record (older records: the writer's own, as stage 0)."""
+    return swap.get("stages") or [{**swap, "stage": 0}]
 
 
-def summary(series: dict[str, list]) -> str:
+def swap_series(records: list[dict[str, Any]]) -> dict[int, dict[str, list]]:
+    """Per stage, per-iteration columns of the records that carry swap metrics."""
+    out: dict[int, dict[str, list]] = {}
+    for r in records:
+        swap = r.get("swap")
+        if not swap:
+            continue
+        for s in _stages(swap):
+            col = out.setdefault(s["stage"], {k: [] for k in (
+                "iteration", "with_swap", "without_swap", "budget", "swapped_out", "blocking",
+                "planned", "full", "changed")})
+            col["iteration"].append(r["iteration"])
+            col["with_swap"].append(s["peak_resident_saved_bytes"])
+            col["without_swap"].append(s["peak_saved_bytes"])
+            col["budget"].append(s["budget_bytes"])
+            col["swapped_out"].append(s["swapped_out_bytes"])
+            col["blocking"].append(s["blocking_swapins"])
+            col["planned"].append(s["plan_version"] > 0)
+            col["full"].append(s["mode"] == "full")
+            col["changed"].append(swap.get("sequence_changed", False) and s["stage"] == 0)
+    return dict(sorted(out.items()))
+
+
+def summary(series: dict[str, list], stage: int) -> str:
     planned = [k for k, p in enumerate(series["planned"]) if p]
     top_with = max((series["with_swap"][k] for k in planned), default=0)
     top_without = max((series["without_swap"][k] for k in planned), default=0)
     saved = 100.0 * (1 - top_with / top_without) if top_without else 0.0
     return "\n".join([
-        f"iterations: {len(series['iteration'])} "
+        f"stage {stage}: iterations: {len(series['iteration'])} "
         f"(re-profiled: {sum(series['full'])}, sequence changes: {sum(series['changed'])})",
-        f"peak resident saved activations over the {len(planned)} iterations with a plan: "
+        f"  peak resident saved activations over the {len(planned)} iterations with a plan: "
         f"{top_with / MIB:.2f} MiB with swap, {top_without / MIB:.2f} MiB without "
         f"({saved:.1f} % less)",
-        f"swapped out: {sum(series['swapped_out']) / MIB:.2f} MiB in total; "
+        f"  swapped out: {sum(series['swapped_out']) / MIB:.2f} MiB in total; "
         f"blocking swap-ins: {sum(series['blocking'])}",
     ])
 
 
-def plot(series: dict[str, list], out: Path, title: str) -> None:
+def plot(series: dict[int, dict[str, list]], out: Path, title: str) -> Any:
+    """One panel per stage; returns the figure (written to ``out``)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.add_subplot()
-    it = series["iteration"]
-    ax.plot(it, [b / MIB for b in series["without_swap"]], "o-", label="without swap")
-    ax.plot(it, [b / MIB for b in series["with_swap"]], "o-", label="with swap")
-    budget = [(i, b / MIB) for i, b in zip(it, series["budget"]) if b is not None]
-    if budget:
-        ax.step(*zip(*budget), where="mid", linestyle="--", color="grey", label="budget")
-    for i, full, changed in zip(it, series["full"], series["changed"]):
-        if changed:
-            ax.axvline(i, color="red", alpha=0.4)
-        elif full:
-            ax.axvline(i, color="grey", alpha=0.2)
-    ax.set_xlabel("iteration (red: sequence changed, grey: re-profiled)")
-    ax.set_ylabel("peak resident saved activations (MiB)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.legend()
+    fig = Figure(figsize=(8, 1.2 + 3.0 * len(series)))
+    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (stage, col) in zip(axes, series.items()):
+        it = col["iteration"]
+        ax.plot(it, [b / MIB for b in col["without_swap"]], "o-", label="without swap")
+        ax.plot(it, [b / MIB for b in col["with_swap"]], "o-", label="with swap")
+        budget = [(i, b / MIB) for i, b in zip(it, col["budget"]) if b is not None]
+        if budget:
+            ax.step(*zip(*budget), where="mid", linestyle="--", color="grey", label="budget")
+        for i, full, changed in zip(it, col["full"], col["changed"]):
+            if changed:
+                ax.axvline(i, color="red", alpha=0.4)
+            elif full:
+                ax.axvline(i, color="grey", alpha=0.2)
+        ax.set_ylabel(f"stage {stage}: MiB")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[0].set_title(f"{title}: peak resident saved activations")
+    axes[-1].set_xlabel("iteration (red: sequence changed, grey: re-profiled)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    return fig
 
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.metrics)
     series = swap_series(read_metrics(path, event="iteration"))
-    if not series["iteration"]:
+    if not series:
         print(f"chameleon report: {path} has no swap metrics "
               "(train with --chameleon-swap and --chameleon-metrics-file)")
         return 1
     out = Path(args.out) if args.out else path.with_name(path.stem + "-swap.png")
     plot(series, out, f"swap: {path.name}")
-    print(summary(series))
+    for stage, col in series.items():
+        print(summary(col, stage))
     print(f"wrote {out}")
     return 0

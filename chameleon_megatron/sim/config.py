@@ -12,6 +12,8 @@ import yaml
 from chameleon_megatron.configurable import check, from_mapping
 
 STRATEGIES = ("chameleon", "reroute", "replan", "checkpoint_restart", "redundant")
+EXTRA_STRATEGIES = ("chameleon_swap",)
+"""Not run unless asked for: Chameleon whose re-plans may swap activations to fit memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,12 @@ class SimConfig:
     """Override of the profile's global batch (samples)."""
     regroup_s: float | None = None
     """Override of the profile's regroup cost (s)."""
+    device_memory_bytes: float | None = None
+    """Override of the profile's device memory (bytes): memory-tight regimes."""
+    swap_bandwidth_Bps: float = 50e9
+    """Host<->device bandwidth of the ``chameleon_swap`` strategy, whose re-plans may swap
+    activations to fit device memory (bytes/s; PCIe Gen5 x16 measures 50-55 GB/s). The other
+    strategies plan without swapping."""
     horizon_s: float = 86400.0
     """Simulated wall-clock time."""
     mtbf_s: float = 7200.0
@@ -69,8 +77,13 @@ class SimConfig:
             check(getattr(self, name) >= 0, f"sim.{name}", getattr(self, name), "must be >= 0")
         check(self.checkpoint_interval_s is None or self.checkpoint_interval_s > 0,
               "sim.checkpoint_interval_s", self.checkpoint_interval_s, "must be > 0")
-        unknown = sorted(set(self.strategies) - set(STRATEGIES))
-        check(not unknown, "sim.strategies", unknown, f"known strategies: {list(STRATEGIES)}")
+        known = STRATEGIES + EXTRA_STRATEGIES
+        unknown = sorted(set(self.strategies) - set(known))
+        check(not unknown, "sim.strategies", unknown, f"known strategies: {list(known)}")
+        check(self.device_memory_bytes is None or self.device_memory_bytes > 0,
+              "sim.device_memory_bytes", self.device_memory_bytes, "must be > 0")
+        check(self.swap_bandwidth_Bps > 0, "sim.swap_bandwidth_Bps", self.swap_bandwidth_Bps,
+              "must be > 0")
 
     @property
     def world_size(self) -> int:

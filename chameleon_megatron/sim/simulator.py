@@ -36,7 +36,9 @@ def setup(config: SimConfig, profile: Profile | None = None,
         changes["global_batch_size"] = config.global_batch_size
     if config.regroup_s is not None:
         changes["regroup_s"] = config.regroup_s
-    prof = dataclasses.replace(prof, **changes)
+    if config.device_memory_bytes is not None:
+        changes["device_memory_bytes"] = config.device_memory_bytes
+    prof = dataclasses.replace(prof, swap_bandwidth_Bps=0.0, **changes)
     if prof.tp != config.tp:
         raise ValueError(f"sim.tp={config.tp} differs from the profile's tp={prof.tp}")
     layout = UniformLayout(tp=config.tp, pp=config.pp, dp=config.dp, vpp=config.vpp)
@@ -57,7 +59,11 @@ def make_strategy(name: str, config: SimConfig, s: Setup, planner: Planner) -> S
                                  write_s=config.checkpoint_write_s, **common)
     if name == "redundant":
         return RedundantComputation(planner=planner, **common)
-    policy = {"chameleon": "adaptive", "reroute": "reroute", "replan": "replan"}[name]
+    if name == "chameleon_swap":
+        swapping = dataclasses.replace(s.profile, swap_bandwidth_Bps=config.swap_bandwidth_Bps)
+        planner = Planner(swapping, planner.options)
+    policy = {"chameleon": "adaptive", "chameleon_swap": "adaptive", "reroute": "reroute",
+              "replan": "replan"}[name]
     return InMemoryStrategy(name, policy, planner=planner,  # type: ignore[arg-type]
                             estimator=estimator, **common)
 

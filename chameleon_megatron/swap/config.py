@@ -32,6 +32,10 @@ class SwapConfig:
     """Saved tensors smaller than this are never swapped (none: chosen from the profile: the
     bytes a copy must move to outweigh its fixed cost at the measured bandwidth, lowered to
     the sizes present when the budget needs smaller ones)."""
+    recompute: bool = True
+    """Let the policy recompute leading transformer layers of this stage instead of swapping
+    their activations, where that costs less than the swap's stall (megatron's block
+    recompute; never when --recompute-granularity is set)."""
     strict: bool = False
     """Refuse a budget below the least any plan can meet (BudgetError); by default swap warns
     once with that least budget and swaps what it can."""
@@ -75,3 +79,21 @@ class SwapConfig:
               "must be >= 0")
         check(0 < self.oom_backoff < 1, "swap.oom_backoff", self.oom_backoff,
               "must be in (0, 1)")
+
+
+CPU_BANDWIDTH_BPS = 10e9
+"""Assumed copy bandwidth without a GPU (the CPU executor copies synchronously)."""
+GPU_BANDWIDTH_BPS = 50e9
+"""What the decision center assumes of a GPU's host link (PCIe Gen5 x16 measures 50-55 GB/s)
+until the swap subsystem measures it."""
+
+
+def planned_bandwidth(config: SwapConfig) -> float:
+    """The swap bandwidth a recovery may plan with: 0 when swap is off."""
+    if not config.enabled:
+        return 0.0
+    if config.bandwidth_gbps is not None:
+        return config.bandwidth_gbps * 1e9
+    import torch
+
+    return GPU_BANDWIDTH_BPS if torch.cuda.is_available() else CPU_BANDWIDTH_BPS

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
@@ -39,6 +39,7 @@ from chameleon_megatron.swap.executor import StepCounters, SwapExecutor
 from chameleon_megatron.swap.matching import MatchIndex
 from chameleon_megatron.swap.policy import SwapPolicy, generate_policy, min_feasible_budget
 from chameleon_megatron.swap.profile import StepProfile
+from chameleon_megatron.swap.recompute import choose_recompute
 from chameleon_megatron.swap.signature import StepSignature, changed_stages
 from chameleon_megatron.swap.stage import coarsen
 from chameleon_megatron.swap.stage_adjust import (
@@ -88,9 +89,11 @@ class SwapManager:
 
     def __init__(self, config: SwapConfig, executor: SwapExecutor, *, budget: BudgetSpec,
                  bandwidth_bps: float, cost: ProfilerCost, rank: int = 0,
-                 rule: AdjustRule = AdjustRule(), oom_factor: float = 1.0) -> None:
+                 rule: AdjustRule = AdjustRule(), oom_factor: float = 1.0,
+                 recompute: Callable[[int], None] | None = None) -> None:
         """``oom_factor``: the budget factor earlier out-of-memory errors left (a manager
-        rebuilt with its model keeps lowering from there)."""
+        rebuilt with its model keeps lowering from there); ``recompute``: makes the model
+        recompute the first k transformer layers of each chunk (None: it cannot)."""
         self.config = config
         self.executor = executor
         self.budget = budget
@@ -112,6 +115,11 @@ class SwapManager:
         self.reprofile: str | None = "initial"
         """Why the next step profiles fully (None: it runs lightweight)."""
         self.oom_factor = oom_factor
+        self.recompute = recompute
+        self.recompute_layers = 0
+        """Leading layers of each chunk recomputed instead of swapped (``recompute``)."""
+        self.recompute_base: float | None = None
+        """The budget in bytes (before OOM backoff) that recomputing was chosen to meet."""
         self.guard: int | None = None
         """Budget enforced until the next plan: lowered after an OOM (the next plan is built
         lower too), the dropped plan's after a granularity switch."""
@@ -202,12 +210,18 @@ class SwapManager:
 
     def _adopt(self, profile: StepProfile, iteration: int) -> None:
         cfg = self.config
-        budget = resolve_budget(self.budget, profile, oom_factor=self.oom_factor)
+        wanted = resolve_budget(self.budget, profile, oom_factor=self.oom_factor)
+        if self.recompute_base is not None:  # the budget recompute was chosen for, in bytes
+            wanted = max(int(self.recompute_base * self.oom_factor), 1)
         min_bytes = cfg.min_tensor_bytes if cfg.min_tensor_bytes is not None else \
-            smallest_worth_swapping(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps)
-        budget = self._achievable(budget, min_feasible_budget(profile, min_bytes), iteration)
+            smallest_worth_swapping(profile, budget_bytes=wanted, bandwidth_bps=self.bandwidth_bps)
+        floor = min_feasible_budget(profile, min_bytes)
+        budget = self._achievable(wanted, floor)
         plan = generate_policy(profile, budget_bytes=budget, bandwidth_bps=self.bandwidth_bps,
                                min_bytes=min_bytes, time_limit_s=cfg.plan_time_limit_s)
+        recompute = self._recompute_instead(profile, plan, wanted, min_bytes, iteration)
+        if budget > wanted and not recompute:
+            self._warn_floor(wanted, floor, iteration)
         self.executor.min_bytes = min_bytes
         self.executor.set_policy(plan, MatchIndex(profile.records))
         # Host buffers (page-locked on GPU) for the plan's swaps now, not in the forward.
@@ -223,22 +237,48 @@ class SwapManager:
                   "planned_peak_bytes": plan.planned_peak_bytes,
                   "planned_out_bytes": plan.planned_out_bytes, "tensors": len(plan.decisions),
                   "expected_stall_s": plan.expected_stall_s, "optimal": plan.optimal}
-        self.reprofile = None
+        self.reprofile = "recompute" if recompute else None
         (logger.warning if plan.expected_stall_s > 0 else logger.info)("swap plan %s", record)
 
-    def _achievable(self, budget: int, floor: int, iteration: int) -> int:
+    def _achievable(self, budget: int, floor: int) -> int:
         """``budget``, or the least achievable one (``floor``) when it is lower: after an
-        OOM (the backoff went too far), or by default, with one warning; ``strict`` keeps
-        the budget (and the policy refuses it)."""
+        OOM (the backoff went too far), or by default; ``strict`` keeps the budget (and the
+        policy refuses it)."""
         if budget >= floor or (self.config.strict and self.oom_factor == 1.0):
             return budget
+        return floor
+
+    def _warn_floor(self, budget: int, floor: int, iteration: int) -> None:
         if self.oom_factor == 1.0 and not self._warned_floor:
             self._warned_floor = True
             logger.warning("swap budget %d bytes is below the least achievable %d bytes "
                            "(rank %d, iteration %d): swapping what can be swapped; "
                            "--chameleon-swap-strict makes this an error", budget, floor,
                            self.rank, iteration)
-        return floor
+
+    def _recompute_instead(self, profile: StepProfile, plan: SwapPolicy, wanted: int,
+                           min_bytes: int, iteration: int) -> bool:
+        """Offload or recompute: when swapping stalls, or cannot meet ``wanted``, and
+        recomputing leading layers of each chunk costs less (``recompute.py``), turn that on
+        for the next steps; True when it did (a new sequence: profile again)."""
+        short = plan.budget_bytes > wanted
+        if self.recompute is None or self.recompute_layers or not self.config.recompute or \
+                (plan.expected_stall_s <= 0 and not short):
+            return False
+        choice = choose_recompute(profile, budget_bytes=wanted, bandwidth_bps=self.bandwidth_bps,
+                                  min_bytes=min_bytes)
+        if choice is None or choice.layers == 0 or \
+                (not short and choice.cost_s >= plan.expected_stall_s):
+            return False
+        self.recompute(choice.layers)
+        self.recompute_layers = choice.layers
+        # A fraction of the next profile's (smaller) peak would chase it down: keep bytes.
+        self.recompute_base = wanted / self.oom_factor
+        logger.info("swap recompute %s", {
+            "rank": self.rank, "iteration": iteration, "layers_per_chunk": choice.layers,
+            "swap_stall_s": plan.expected_stall_s, "budget_met_by_swap": not short,
+            "expected_stall_s": choice.stall_s, "recompute_s": choice.recompute_s})
+        return True
 
     def _adjust(self, layers: StepSignature) -> GranularityDecision | None:
         """Auto granularity: observe this step; the rule's decision when it switches."""
@@ -304,6 +344,7 @@ class SwapManager:
             "plan_version": version,
             "budget_bytes": self.executor.budget,
             "min_tensor_bytes": self.executor.min_bytes,
+            "recompute_layers": self.recompute_layers,
             "planned_out_bytes": plan.planned_out_bytes if plan else 0,
             "planned_tensors": len(plan.decisions) if plan else 0,
             "expected_stall_s": plan.expected_stall_s if plan else 0.0,

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 
 from chameleon_megatron.configurable import check
 from chameleon_megatron.megatron.swap_seams import SwapSeams
 from chameleon_megatron.swap.budget import BudgetSpec
-from chameleon_megatron.swap.config import SwapConfig
+from chameleon_megatron.swap.config import CPU_BANDWIDTH_BPS, SwapConfig
 from chameleon_megatron.swap.copier import copier_for, measure_bandwidth
 from chameleon_megatron.swap.cost import measure_profiler_cost
 from chameleon_megatron.swap.executor import SwapExecutor
@@ -39,14 +40,15 @@ from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
-CPU_BANDWIDTH_BPS = 10e9
-"""Assumed copy bandwidth without a GPU (the CPU executor copies synchronously)."""
-
-
 def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int, device: torch.device,
-                launch_pp_size: int | None = None) -> BudgetSpec:
+                launch_pp_size: int | None = None,
+                planned_fraction: float | None = None) -> BudgetSpec:
     """This rank's budget from the config (ValueError on a bad combination).
-    ``launch_pp_size``: the pipeline depth the job started with, when this is a rebuild."""
+    ``launch_pp_size``: the pipeline depth the job started with, when this is a rebuild;
+    ``planned_fraction``: the decision center made this stage fit device memory by swapping
+    down to this share of its no-swap peak (a recovery's plan): that budget holds."""
+    if planned_fraction is not None:
+        return BudgetSpec(fraction=planned_fraction)
     per_stage = config.budget_bytes_per_stage
     if per_stage and launch_pp_size is not None and pp_size != launch_pp_size:
         # A recovery re-planned the pipelines (fault tolerance): the configured stages no
@@ -67,6 +69,27 @@ def budget_spec(config: SwapConfig, *, pp_rank: int, pp_size: int, device: torch
     return BudgetSpec(fraction=config.budget_fraction)
 
 
+STAGE_FIELDS = ("mode", "plan_version", "budget_bytes", "min_tensor_bytes", "recompute_layers",
+                "peak_resident_saved_bytes", "peak_saved_bytes", "swapped_out_bytes",
+                "blocking_swapins", "expected_stall_s")
+"""Figures of each pipeline stage in an iteration record (``swap.stages``)."""
+
+
+def block_recompute(config: Any) -> Callable[[int], None] | None:
+    """Sets megatron's block recompute of the first k transformer layers of each chunk on
+    this rank's model config (read at every forward); None when the run recomputes already
+    (``--recompute-granularity``) or the model has no such config."""
+    if config is None or getattr(config, "recompute_granularity", "x") is not None:
+        return None
+
+    def recompute(layers: int) -> None:
+        config.recompute_granularity = "full" if layers else None
+        config.recompute_method = "block" if layers else None
+        config.recompute_num_layers = layers or None
+
+    return recompute
+
+
 def first_threshold(config: SwapConfig, bandwidth_bps: float) -> int:
     """The size threshold until the first plan (then the plan's, ``threshold.py``)."""
     if config.min_tensor_bytes is not None:
@@ -82,6 +105,7 @@ class SwapPlugin(TrainerPlugin):
         self.manager: SwapManager | None = None
         self.seams: SwapSeams | None = None
         self.rank = 0
+        self._stage, self._stages, self._pipeline = 0, 1, None
         self._step_rng: dict[str, Any] | None = None
         self._launch_pp_size: int | None = None
         """Pipeline depth of the first build (a recovery may change it later)."""
@@ -93,7 +117,8 @@ class SwapPlugin(TrainerPlugin):
         self._teardown()
         cfg, device = self.config, ctx.device
         spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device,
-                           launch_pp_size=self._launch_pp_size)
+                           launch_pp_size=self._launch_pp_size,
+                           planned_fraction=ctx.extra.get("swap_budget_fraction"))
         if self._launch_pp_size is None:
             self._launch_pp_size = ctx.pp_size
         if cfg.bandwidth_gbps is not None:
@@ -109,9 +134,10 @@ class SwapPlugin(TrainerPlugin):
                                               cache_bytes=cfg.host_cache_bytes),
                                 min_bytes=first_threshold(cfg, bandwidth), exclude=held)
         self.rank = ctx.rank
+        self._stage, self._stages, self._pipeline = ctx.pp_rank, ctx.pp_size, ctx.pipeline_group
         self.manager = SwapManager(cfg, executor, budget=spec, bandwidth_bps=bandwidth,
                                    cost=measure_profiler_cost(), rank=ctx.rank,
-                                   oom_factor=oom_factor)
+                                   oom_factor=oom_factor, recompute=block_recompute(ctx.config))
         # Auto starts per layer, so the seams install the layer hooks it may need later.
         self.seams = SwapSeams(tracker, ctx.model)
         self.seams.install()
@@ -126,9 +152,18 @@ class SwapPlugin(TrainerPlugin):
         return self.manager.step(iteration)
 
     def metrics(self) -> dict[str, Any]:
+        """This rank's figures, with every stage's of its pipeline under ``stages`` (the
+        budgets are per stage; one small all-gather over the pipeline, every rank)."""
         if self.manager is None or not self.manager.last_metrics:
             return {}
-        return {"swap": dict(self.manager.last_metrics)}
+        figures = dict(self.manager.last_metrics)
+        mine = {"stage": self._stage, "rank": self.rank,
+                **{k: figures[k] for k in STAGE_FIELDS}}
+        stages = [mine]
+        if self._pipeline is not None and self._stages > 1:
+            stages = [None] * self._stages
+            dist.all_gather_object(stages, mine, group=self._pipeline)
+        return {"swap": {**figures, "stages": stages}}
 
     def on_step_failed(self, exc: BaseException,
                        trainer: TrainerHandle) -> StepAction | None:

@@ -37,5 +37,8 @@ class StepEngine(Protocol):
     def position(self) -> dict[str, int]:
         """Where this rank sits: ``pp_rank``, ``pp_size``, ``dp_rank`` (its pipeline)."""
 
+    def pipeline_group(self) -> Any:
+        """This rank's pipeline as a process group, stages in order (None: none)."""
+
     def layout(self) -> dict[str, Any]:
         """The layout for the metrics record."""

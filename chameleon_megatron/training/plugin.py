@@ -42,6 +42,9 @@ class TrainContext:
     dp_rank: int
     vpp_size: int
     """Virtual pipeline stages per rank (1 without interleaving)."""
+    pipeline_group: Any = None
+    """This rank's pipeline as a process group, stages in order (None: none, e.g. a layout
+    rerouting around dead ranks): plugins gather per-stage figures over it."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form handles (e.g. the optimizer) for plugins that need them."""
 
@@ -79,10 +82,13 @@ class TrainerHandle(Protocol):
                   scheduler_state: dict[str, Any]) -> None:
         """Continue after ``iteration`` completed steps (state already loaded)."""
 
-    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int) -> None:
-        """A fresh model, DDP and optimizer for a megatron layout over the new world."""
+    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
+                hints: dict[str, Any] | None = None) -> None:
+        """A fresh model, DDP and optimizer for a megatron layout over the new world;
+        ``hints`` reach the plugins in ``TrainContext.extra`` (e.g. a swap budget)."""
 
-    def use_engine(self, engine: StepEngine, *, rank: int, world_size: int) -> None:
+    def use_engine(self, engine: StepEngine, *, rank: int, world_size: int,
+                   hints: dict[str, Any] | None = None) -> None:
         """Train through ``engine`` (a layout megatron's parallel state cannot express)."""
 
     def load(self, path: str) -> bool:

@@ -57,6 +57,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.engine: StepEngine | None = None
         """Runs the steps instead of megatron's schedules while installed (``use_engine``)."""
+        self.hints: dict[str, Any] = {}
+        """What the last recovery told the plugins of the layout (``TrainContext.extra``)."""
         self.metrics = MetricsWriter(cfg.metrics.file, enabled=self.env.rank == 0)
 
     # ----------------------------------------------------------------------------- set-up
@@ -112,34 +114,38 @@ class Trainer:
         self.consumed_samples = resumed.consumed_samples
         return True
 
-    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int) -> None:
+    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
+                hints: dict[str, Any] | None = None) -> None:
         """Rebuild model, DDP, optimizer and a fresh LR schedule for a new layout.
 
         The caller has already built torch.distributed's and megatron's groups for it
         (``chameleon_megatron.megatron.groups``); this neither creates groups nor re-seeds.
         State (weights, optimizer, schedule step, data position) is the caller's to move in.
         Raises ConfigError, before touching anything, if the layout does not fit the model.
+        ``hints`` reach the plugins with the new model (``TrainContext.extra``).
         """
         args = copy.copy(self.args)
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
         validate_args(args, world_size)
         self.args = args
-        self._new_world(rank, world_size)
+        self._new_world(rank, world_size, hints)
         self.engine = None
         self._build()
         self._announce_model()
 
-    def use_engine(self, engine: StepEngine, *, rank: int, world_size: int) -> None:
+    def use_engine(self, engine: StepEngine, *, rank: int, world_size: int,
+                   hints: dict[str, Any] | None = None) -> None:
         """Train through ``engine`` from now on (a layout megatron cannot express), with a
         fresh LR schedule on its optimizer. As for ``rebuild``: groups are the caller's, and
         so is moving state (weights, optimizer, schedule step, data position) in."""
-        self._new_world(rank, world_size)
+        self._new_world(rank, world_size, hints)
         self.engine = engine
         self.model, self.optimizer = [engine.model], engine.optimizer
         self.scheduler = build_scheduler(self.args, self.optimizer)
         self._announce_model()
 
-    def _new_world(self, rank: int, world_size: int) -> None:
+    def _new_world(self, rank: int, world_size: int, hints: dict[str, Any] | None) -> None:
+        self.hints = dict(hints or {})
         # The first rank may have died: whoever is rank 0 now appends to the metrics file.
         self.metrics.close()
         self.metrics = MetricsWriter(self.cfg.metrics.file, enabled=rank == 0)
@@ -173,11 +179,13 @@ class Trainer:
         self.args.save = None
 
     def context(self) -> TrainContext:
-        extra = {"optimizer": self.optimizer, "scheduler": self.scheduler}
+        extra = {"optimizer": self.optimizer, "scheduler": self.scheduler, **self.hints}
         if self.engine is not None:
             return TrainContext(model=self.model, config=self.engine.model.config,
                                 args=self.args, device=self.device, rank=self.env.rank,
-                                tp_rank=0, vpp_size=1, extra=extra, **self.engine.position())
+                                tp_rank=0, vpp_size=1, extra=extra,
+                                pipeline_group=self.engine.pipeline_group(),
+                                **self.engine.position())
         return TrainContext(
             model=self.model, config=self.config, args=self.args, device=self.device,
             rank=self.env.rank,
@@ -186,6 +194,7 @@ class Trainer:
             pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
             dp_rank=parallel_state.get_data_parallel_rank(),
             vpp_size=self.args.virtual_pipeline_model_parallel_size or 1,
+            pipeline_group=parallel_state.get_pipeline_model_parallel_group(),
             extra=extra,
         )
 

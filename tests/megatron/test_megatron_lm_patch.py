@@ -284,6 +284,7 @@ mpu = types.SimpleNamespace(
     get_tensor_model_parallel_rank=lambda: 0,
     get_pipeline_model_parallel_rank=lambda: torch.distributed.get_rank(),
     get_pipeline_model_parallel_world_size=lambda: torch.distributed.get_world_size(),
+    get_pipeline_model_parallel_group=lambda: torch.distributed.group.WORLD,
     get_data_parallel_rank=lambda: 0,
 )
 

@@ -43,7 +43,7 @@ def write_profile(path: Path, *, favour: str, tp: int, **over: float) -> Path:
     links = {"p2p_bandwidth_Bps": slow if favour == "dp" else fast,
              "allreduce_bandwidth_Bps": slow if favour == "pp" else fast,
              "transfer_bandwidth_Bps": 1e9}
-    hw = Hardware(device_memory_bytes=1e12, **{**links, **over})
+    hw = Hardware(**{"device_memory_bytes": 1e12, **links, **over})
     profile = profile_from_shape(ModelShape.from_args(args), hw, seconds_per_flop=per_flop,
                                  name=f"favour-{favour}", source="test")
     save_profile(profile, path)

@@ -1,7 +1,7 @@
 """The training worker of the recovery tests: ``pretrain_gpt`` plus a state dump.
 
     python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S]
-        [--oom-at RANK:ITERATION] <trainer flags>
+        [--oom-at RANK:ITERATION] [--stall-at RANK:ITERATION:SECONDS] <trainer flags>
 
 Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
 failure-free reference) with one more plugin: a rank that holds part of the model when
@@ -9,7 +9,8 @@ training finishes writes, to ``DIR/<launch rank>.json``, its per-parameter sums 
 of weights and Adam moments (keyed by state unit and name) and Adam's step count; a spare
 at the end of the job writes ``{"spare": true}``. ``--oom-at`` makes that launch rank run out
 of device memory once, after the forward-backward of that step (without fault tolerance,
-whose ``kind=oom`` faults fire anywhere). Only the standard library is imported at the top:
+whose ``kind=oom`` faults fire anywhere); ``--stall-at`` makes it stop that long, once, at the
+start of that step (a slow rank, not a failed one). Only the standard library is imported at the top:
 checkpoint writers spawn helpers that re-import this file.
 """
 
@@ -42,7 +43,8 @@ def state_sums(ctx: Any) -> dict:
     return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
 
 
-def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None) -> Any:
+def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None,
+                stall: tuple[int, float] | None = None) -> Any:
     """A plugin that keeps the last model built on this rank and sums it up at the end;
     ``pace_s``: it waits that long between two steps (so that a restarted worker has time to
     start up while the job still trains); ``oom_at``: the step whose forward-backward ends in
@@ -60,6 +62,7 @@ def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None) -> A
         ctx: Any = None
         completed = 0
         oom_at: int | None = None
+        stall: tuple[int, float] | None = None
         dump: dict | None = None
 
         def on_model_built(self, ctx: Any) -> None:
@@ -69,6 +72,9 @@ def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None) -> A
         def step_context(self, iteration: int, *, training: bool):
             if training:
                 self.completed = iteration
+                if self.stall and self.stall[0] == iteration:
+                    time.sleep(self.stall[1])
+                    self.stall = None
             yield
             if training and iteration == self.oom_at:
                 self.oom_at = None
@@ -83,7 +89,7 @@ def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None) -> A
                 self.dump = state_sums(self.ctx)
 
     plugin = DumpPlugin()
-    plugin.oom_at = oom_at
+    plugin.oom_at, plugin.stall = oom_at, stall
     return plugin
 
 
@@ -93,11 +99,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=int, required=True)
     parser.add_argument("--pace-s", type=float, default=0.0)
     parser.add_argument("--oom-at", default=None, metavar="RANK:ITERATION")
+    parser.add_argument("--stall-at", default=None, metavar="RANK:ITERATION:SECONDS")
     ours, rest = parser.parse_known_args(argv)
-    oom_at = None
+    me = int(os.environ.get("RANK", "0"))
+    oom_at = stall = None
     if ours.oom_at is not None:
         oom_rank, oom_iteration = map(int, ours.oom_at.split(":"))
-        oom_at = oom_iteration if int(os.environ.get("RANK", "0")) == oom_rank else None
+        oom_at = oom_iteration if me == oom_rank else None
+    if ours.stall_at is not None:
+        rank, iteration, seconds = ours.stall_at.split(":")
+        stall = (int(iteration), float(seconds)) if me == int(rank) else None
     if "RANK" in os.environ:  # under a launcher: leave when it is gone
         sys.path.insert(0, str(Path(__file__).parent))
         from rt_support import guard_worker
@@ -105,7 +116,7 @@ def main(argv: list[str]) -> int:
         guard_worker(400)
     from chameleon_megatron import pretrain_gpt
 
-    plugin = dump_plugin(ours.iters, ours.pace_s, oom_at)
+    plugin = dump_plugin(ours.iters, ours.pace_s, oom_at, stall)
     build = pretrain_gpt.build_plugins
     pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
     pretrain_gpt.setup_logging()

@@ -79,3 +79,30 @@ def test_all_strategies_see_the_same_trace_and_report_gaps():
         assert len(fails) <= report["failures"]
     assert report["ratios"]["chameleon/replan"] == pytest.approx(
         results["chameleon"].avg_throughput / results["replan"].avg_throughput)
+
+
+def _tiny(memory: float):
+    from chameleon_megatron.resilience.decision.model_shape import ModelShape
+    from chameleon_megatron.resilience.decision.shape_profile import Hardware, profile_from_shape
+
+    args = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "micro_batch_size": 2, "global_batch_size": 8, "padded_vocab_size": 128,
+            "tensor_model_parallel_size": 1}
+    hw = Hardware(device_memory_bytes=memory, p2p_bandwidth_Bps=1e15,
+                  allreduce_bandwidth_Bps=1e3, transfer_bandwidth_Bps=1e9, regroup_s=0.01)
+    return profile_from_shape(ModelShape.from_args(args), hw, seconds_per_flop=1e-12,
+                              name="tiny", source="test")
+
+
+@pytest.mark.parametrize("memory,gains", [(2508800.0, True), (1e12, False)])
+def test_swap_aware_re_plans_train_faster_when_memory_is_tight(memory, gains):
+    """DP2 x PP2 that the memory just fits; one failure: the fastest re-plan (one pipeline,
+    layers 2-1-1) is over memory on its first stage. Chameleon with swap-aware plans takes
+    it and trains faster after the failure; with memory to spare both take it."""
+    cfg = config(pp=2, dp=2, horizon_s=1.0, repair_s=None, detect_s=0.0,
+                 strategies=("chameleon", "chameleon_swap"), swap_bandwidth_Bps=1e10)
+    report, _ = simulate(cfg, profile=_tiny(memory), events=[Event(0.01, "fail", 3)])
+    runs = report["strategies"]
+    assert runs["chameleon"]["choices"] == runs["chameleon_swap"]["choices"] == {"replan": 1}
+    plain, swap = runs["chameleon"]["avg_throughput"], runs["chameleon_swap"]["avg_throughput"]
+    assert (swap > 1.01 * plain) if gains else (swap == plain)

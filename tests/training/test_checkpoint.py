@@ -1,7 +1,11 @@
 """Checkpoints: an interrupted run resumes exactly; a checkpoint loads into another layout."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 
+from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from dist_utils import TINY, losses, run_trainer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
@@ -11,15 +15,23 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 BASE = TINY + TP2_PP2 + ["--lr-decay-iters", "6", "--lr-warmup-iters", "1"]
 
 
+def checkpoint_of(saved: Path, iteration: int, into: Path) -> Path:
+    """A checkpoint directory whose latest checkpoint is ``saved``'s of ``iteration``."""
+    shutil.copytree(saved / f"iter_{iteration:07d}", into / f"iter_{iteration:07d}")
+    (into / TRACKER_FILE).write_text(str(iteration))
+    return into
+
+
 def test_resume_is_exact_and_reshards(tmp_path):
-    straight_records = run_trainer(4, BASE + ["--train-iters", "6"], tmp_path, name="straight")
+    # One straight run saves at iteration 3 (and 6); the resumed run starts from 3.
+    straight_records = run_trainer(4, BASE + ["--train-iters", "6", "--save",
+                                              str(tmp_path / "saved"), "--save-interval", "3"],
+                                   tmp_path, name="straight")
     straight = losses(straight_records)
-    ckpt = tmp_path / "ckpt"
-    first = run_trainer(4, BASE + ["--train-iters", "3", "--save", str(ckpt)], tmp_path,
-                        name="first")
+    ckpt = checkpoint_of(tmp_path / "saved", 3, tmp_path / "ckpt")
     resumed = run_trainer(4, BASE + ["--train-iters", "6", "--load", str(ckpt)], tmp_path,
                           name="resumed")
-    assert losses(first) + losses(resumed) == straight
+    assert straight[:3] + losses(resumed) == straight
     its = [r for r in resumed if r["event"] == "iteration"]
     assert [r["iteration"] for r in its] == [4, 5, 6]
     assert its[0]["consumed_samples"] == 4 * 8

@@ -34,7 +34,7 @@ from chameleon_megatron.resilience.decision.layout import (
     UniformLayout,
     contiguous_layers,
 )
-from chameleon_megatron.resilience.decision.perf_model import unit_cost
+from chameleon_megatron.resilience.decision.perf_model import StepEstimate, plan_step, unit_cost
 from chameleon_megatron.resilience.decision.placement import kept_in_place, stage_major_order
 from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
 from chameleon_megatron.resilience.decision.profile import Profile
@@ -81,6 +81,9 @@ class RecoveryDecision:
     """Modes ``hetero``/``reroute``: the restorer's gradient all-reduce groups and rounds."""
     rng_donor: Mapping[int, int] = field(default_factory=dict)
     """Active launch rank -> the member whose RNG streams it continues."""
+    swap_budgets: Mapping[int, float] = field(default_factory=dict)
+    """Active launch rank -> the share of its stage's no-swap activation peak its swap
+    subsystem may keep on the device (only ranks whose stage must swap to fit)."""
     record: Mapping[str, Any] = field(default_factory=dict)
     """Decision record: D, B, both candidates, the choice, what was executed and why."""
 
@@ -100,7 +103,9 @@ class RecoveryDecision:
             "reroute": None if self.reroute is None else self.reroute.to_dict(),
             "sync_groups": [[list(g.ranks), list(g.layers), g.bytes] for g in self.sync_groups],
             "sync_rounds": [list(r) for r in self.sync_rounds],
-            "rng_donor": [[r, d] for r, d in self.rng_donor.items()], "record": self.record,
+            "rng_donor": [[r, d] for r, d in self.rng_donor.items()],
+            "swap_budgets": [[r, f] for r, f in self.swap_budgets.items()],
+            "record": self.record,
         }
 
     @classmethod
@@ -114,7 +119,8 @@ class RecoveryDecision:
             sync_groups=tuple(AllReduceGroup(tuple(r), tuple(u), b)
                               for r, u, b in d["sync_groups"]),
             sync_rounds=tuple(tuple(r) for r in d["sync_rounds"]),
-            rng_donor={r: dn for r, dn in d["rng_donor"]}, record=d["record"])
+            rng_donor={r: dn for r, dn in d["rng_donor"]},
+            swap_budgets={r: f for r, f in d.get("swap_budgets", [])}, record=d["record"])
 
 
 def reroute_from_dict(plan: Plan, d: Mapping[str, Any]) -> ReroutePlan:
@@ -235,7 +241,23 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     )
     if not kept:
         record["lost"] = sorted({u for u, _ in replan.restore.lost}, key=unit_order)
-    return dataclasses.replace(decision, record=record)
+    est = reroute.reroute.estimate(profile) if kept else plan_step(decision.plan, profile)
+    budgets, record["swap"] = swap_budgets(decision.plan, est)
+    return dataclasses.replace(decision, record=record, swap_budgets=budgets)
+
+
+def swap_budgets(plan: Plan, est: StepEstimate) -> tuple[dict[int, float], list[dict]]:
+    """The activation budget of each rank on a stage that must swap to fit (as the share of
+    its no-swap peak it may keep), and one record entry per such stage."""
+    budgets: dict[int, float] = {}
+    entries = []
+    for (j, s), sw in sorted(est.swaps.items()):
+        ranks = plan.pipelines[j].stages[s].ranks
+        budgets.update(dict.fromkeys(ranks, sw.fraction))
+        entries.append({"pipeline": j, "stage": s, "ranks": list(ranks),
+                        "budget_bytes": sw.budget_bytes, "fraction": sw.fraction,
+                        "swapped_bytes": sw.swapped_bytes, "stall_s": sw.stall_s})
+    return budgets, entries
 
 
 def keep_layout(current: Plan, reroute: ReroutePlan | None, *, alive: Sequence[int],

@@ -11,13 +11,15 @@
 * Rerouting (Eq. 12/13) keeps the plan and adds, to each pipeline, the extra microbatches
   its stages run for failed peers times that stage's (t_f + t_b).
 * Memory of a stage (Eq. 14): L_i (2 m_p + m_o) + (in-flight microbatches) L_i m_a, with
-  the embedding/output layers on the end stages.
+  the embedding/output layers on the end stages. A stage over device memory fits by
+  swapping activations when the profile gives a swap bandwidth, at the stall the copies add
+  to its times (``swap_model``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 from chameleon_megatron.resilience.decision.layout import (
     EMBEDDING,
@@ -28,6 +30,7 @@ from chameleon_megatron.resilience.decision.layout import (
 )
 from chameleon_megatron.resilience.decision.profile import LayerCost, Profile
 from chameleon_megatron.resilience.decision.schedule import pipeline_time
+from chameleon_megatron.resilience.decision.swap_model import StageSwap, stage_swap
 
 
 def unit_cost(profile: Profile, unit: StateUnit) -> LayerCost:
@@ -121,13 +124,18 @@ class StepEstimate:
     """Per pipeline: longest path (+ rerouted extra work)."""
     sync_s: float
     peak_memory_bytes: float
-    """Largest Eq. 14 figure over all stages."""
+    """Largest Eq. 14 figure over all stages (before any swapping)."""
     fits_memory: bool
+    """Every stage fits device memory, swapping where the profile allows it."""
+    swaps: Mapping[tuple[int, int], StageSwap] = field(default_factory=dict)
+    """(pipeline, stage) -> the swap that makes that stage fit (``swap_model``)."""
 
 
 def plan_step(plan: Plan, profile: Profile,
               extra_microbatches: dict[tuple[int, int], int] | None = None) -> StepEstimate:
-    """Step estimate of a plan; ``extra_microbatches[(pipeline, stage)]`` is rerouted work."""
+    """Step estimate of a plan; ``extra_microbatches[(pipeline, stage)]`` is rerouted work.
+    A stage over device memory fits by swapping when the profile has a swap bandwidth
+    (``swap_model``): its times then include the copies."""
     if plan.tp != profile.tp:
         raise ValueError(f"plan tp={plan.tp} differs from the profile's tp={profile.tp}")
     if plan.num_layers != profile.num_layers:
@@ -136,20 +144,31 @@ def plan_step(plan: Plan, profile: Profile,
         )
     extra = extra_microbatches or {}
     hop = hop_s(profile)
-    times, peak, grad = [], 0.0, 0.0
+    times, peak, grad, fits = [], 0.0, 0.0, True
+    swaps: dict[tuple[int, int], StageSwap] = {}
     timed: dict[tuple, float] = {}  # equal pipelines are timed once
     for j, pipe in enumerate(plan.pipelines):
         fwd, bwd = _virtual_times(profile, pipe, plan.vpp)
+        costs = [stage_cost(profile, pipe.stage_units(s)) for s in range(pipe.depth)]
+        for s, cost in enumerate(costs):
+            m = pipe.microbatches + extra.get((j, s), 0)
+            peak = max(peak, stage_memory(cost, pipe.depth, s, m, plan.vpp))
+            grad = max(grad, cost.grad_bytes)
+            try:
+                sw = _stage_swap(profile, cost, pipe.depth, s, m, plan.vpp)
+            except ValueError:
+                fits = False
+                continue
+            if sw is not None:
+                swaps[(j, s)] = sw
+                fwd[s], bwd[s] = sw.forward_s, sw.backward_s
         key = (tuple(fwd), tuple(bwd), pipe.microbatches)
         if key not in timed:
             timed[key] = pipeline_time(fwd, bwd, pipe.microbatches, hop, plan.vpp)
         t = timed[key]
         for s in range(pipe.depth):
-            cost = stage_cost(profile, pipe.stage_units(s))
-            t += extra.get((j, s), 0) * (cost.forward_s + cost.backward_s)
-            m = pipe.microbatches + extra.get((j, s), 0)
-            peak = max(peak, stage_memory(cost, pipe.depth, s, m, plan.vpp))
-            grad = max(grad, cost.grad_bytes)
+            t += extra.get((j, s), 0) * (fwd[s] + bwd[s] if plan.vpp == 1 else
+                                         costs[s].forward_s + costs[s].backward_s)
         times.append(t)
     sync = sync_s(profile, len(plan.pipelines), grad)
     return StepEstimate(
@@ -157,5 +176,17 @@ def plan_step(plan: Plan, profile: Profile,
         pipeline_s=tuple(times),
         sync_s=sync,
         peak_memory_bytes=peak,
-        fits_memory=peak <= profile.device_memory_bytes,
+        fits_memory=fits,
+        swaps=swaps,
     )
+
+
+def _stage_swap(profile: Profile, cost: StageCost, depth: int, s: int, m: int,
+                vpp: int) -> StageSwap | None:
+    """The swap stage ``s`` needs (None: none); ValueError: it does not fit either way.
+    Interleaved pipelines are not swap-planned (they must fit as they are)."""
+    bandwidth = profile.swap_bandwidth_Bps if vpp == 1 else 0.0
+    return stage_swap(static=cost.static_bytes, act=cost.activation_bytes,
+                      in_flight=in_flight(depth, s, m, vpp), forward_s=cost.forward_s,
+                      backward_s=cost.backward_s, microbatches=m,
+                      cap=profile.device_memory_bytes, bandwidth_Bps=bandwidth)

@@ -7,7 +7,8 @@ Search space (the brute force in the tests enumerates exactly this):
   the remainder going one each to some pipelines (none may end with zero);
 * per pipeline a layer split megatron-core can express without a custom layout:
   first stage a layers, last stage b, the middle stages k each (a, b, k >= 1);
-* no stage over device memory (Eq. 14).
+* no stage over device memory (Eq. 14), or, when the profile has a swap bandwidth, none
+  that swapping activations cannot fit (its times then include the copies, ``swap_model``).
 Objective: the slowest pipeline's longest path + gradient sync + step overhead.
 
 How it stays fast and exact:
@@ -38,6 +39,7 @@ from chameleon_megatron.resilience.decision.schedule import (
     compile_schedule,
     pipeline_lower_bound,
 )
+from chameleon_megatron.resilience.decision.swap_model import swap_times
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,7 @@ class Planner:
         self._splits: dict[int, _Splits] = {}
         self._fronts: dict[tuple[int, int], _Front] = {}
         self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
+        self._times: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._results: dict[tuple[int, int], SearchResult] = {}
         # compute of one microbatch through the whole model: M W / D bounds any plan on D units
@@ -190,12 +193,22 @@ class Planner:
             self._splits[d] = _Splits(self.profile, d, self.options.uniform)
         return self._splits[d]
 
+    def _stage_times(self, d: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per split of depth d with m microbatches: each stage's forward/backward time (with
+        the copies of a stage that must swap to fit) and whether every stage fits."""
+        key = (d, m)
+        if key not in self._times:
+            sp = self._split_table(d)
+            inflight = np.minimum(d - sp.stage_index, m)
+            self._times[key] = swap_times(sp.f, sp.b, sp.static, sp.act, inflight,
+                                          self.profile.device_memory_bytes,
+                                          self.profile.swap_bandwidth_Bps)
+        return self._times[key]
+
     def _feasible_bounds(self, d: int, m: int) -> tuple[np.ndarray, np.ndarray]:
         """Per split of depth d: fits memory with m microbatches; lower bound on its time."""
-        sp = self._split_table(d)
-        inflight = np.minimum(d - sp.stage_index, m)
-        fits = (sp.static + inflight * sp.act).max(axis=1) <= self.profile.device_memory_bytes
-        return fits, pipeline_lower_bound(sp.f, sp.b, m, self._hop)
+        f, b, fits = self._stage_times(d, m)
+        return fits, pipeline_lower_bound(f, b, m, self._hop)
 
     def bound(self, d: int, m: int) -> tuple[float, float]:
         """(lower bound on the time, smallest gradient bytes) over the feasible splits of
@@ -222,6 +235,7 @@ class Planner:
         splits: list[int] = []
         if sp.counts:
             fits, lb = self._feasible_bounds(d, m)
+            f, b, _ = self._stage_times(d, m)
             if key not in self._schedules:
                 self._schedules[key] = compile_schedule(d, 1, m)
             schedule = self._schedules[key]
@@ -233,7 +247,7 @@ class Planner:
                 bound = times[right - 1] if right else math.inf
                 if lb[i] >= bound:
                     continue
-                t = schedule.time(sp.f[i].tolist(), sp.b[i].tolist(), self._hop)
+                t = schedule.time(f[i].tolist(), b[i].tolist(), self._hop)
                 if t >= bound:
                     continue
                 # insert; drop the points it dominates (beta no smaller, time no smaller)

@@ -73,6 +73,9 @@ class Profile:
     """Per-rank bandwidth of gradient all-reduce (bytes/s, ring algorithm)."""
     transfer_bandwidth_Bps: float
     """Per-rank bandwidth of state migration during recovery (bytes/s)."""
+    swap_bandwidth_Bps: float = 0.0
+    """Host<->device copy bandwidth of one rank for swapping activations (bytes/s, each
+    direction); 0: the job does not swap, so every stage must fit device memory as it is."""
     link_latency_s: float = 0.0
     """Latency of one message (p2p hop or all-reduce step)."""
     regroup_s: float = 0.0
@@ -97,7 +100,8 @@ class Profile:
                      "device_memory_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
-        for name in ("boundary_bytes", "link_latency_s", "regroup_s", "step_overhead_s"):
+        for name in ("boundary_bytes", "link_latency_s", "regroup_s", "step_overhead_s",
+                     "swap_bandwidth_Bps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 

@@ -23,6 +23,8 @@ class Hardware:
     transfer_bandwidth_Bps: float
     link_latency_s: float = 0.0
     regroup_s: float = 0.0
+    swap_bandwidth_Bps: float = 0.0
+    """Host<->device copy bandwidth per device (0: activations are not swapped)."""
 
 
 def profile_from_shape(shape: ModelShape, hardware: Hardware, *, seconds_per_flop: float,
@@ -50,6 +52,7 @@ def profile_from_shape(shape: ModelShape, hardware: Hardware, *, seconds_per_flo
         allreduce_bandwidth_Bps=hardware.allreduce_bandwidth_Bps,
         transfer_bandwidth_Bps=hardware.transfer_bandwidth_Bps,
         link_latency_s=hardware.link_latency_s, regroup_s=hardware.regroup_s,
+        swap_bandwidth_Bps=hardware.swap_bandwidth_Bps,
         step_overhead_s=step_overhead_s, source=source,
     )
 

@@ -52,6 +52,9 @@ class PlanEngine:
         return {"pp_rank": slot.stage, "pp_size": self.rt.plan.pipelines[slot.pipeline].depth,
                 "dp_rank": slot.pipeline}
 
+    def pipeline_group(self) -> Any:
+        return self.rt.groups.pipeline if self.rt.reroute is None else None
+
     def layout(self) -> dict[str, Any]:
         plan = self.rt.plan
         out: dict[str, Any] = {"tp": plan.tp, "pp": max(plan.depths), "vpp": 1,

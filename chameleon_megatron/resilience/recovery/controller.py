@@ -57,6 +57,7 @@ from chameleon_megatron.resilience.recovery.detector import (
     FailureDetector,
     Timeouts,
     is_communication_error,
+    is_timeout,
 )
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import hardware_for, runtime_profile
@@ -84,6 +85,11 @@ from chameleon_megatron.training.plugin import StepAction, TrainerHandle
 from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
+
+
+SLOW_PEER_WAIT_S = 2.0
+"""After a timed-out operation: how long to wait for an announcement that explains it before
+taking it for slowness (an abandoned step)."""
 
 
 class RecoveryFailed(RuntimeError):
@@ -122,15 +128,19 @@ class RecoveryController:
     """One rank's recoveries over a job: its generation, the members and the layout."""
 
     def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
-                 ft: ResilienceConfig, me: int, plan: Plan | None, backend: str) -> None:
+                 ft: ResilienceConfig, me: int, plan: Plan | None, backend: str,
+                 swap_bandwidth_Bps: float = 0.0) -> None:
         """``plan``: the layout launched, over launch ranks (None: this process joins a
-        running job and learns the layout when admitted)."""
+        running job and learns the layout when admitted). ``swap_bandwidth_Bps``: the job
+        swaps activations (``--chameleon-swap``) at this bandwidth, so a layout whose stages
+        are over device memory may swap to fit (0: it does not swap)."""
         self.job = job
         self.detector = detector
         self.injector = injector
         self.ft = ft
         self.me = me
         self.backend = backend
+        self.swap_bandwidth_Bps = swap_bandwidth_Bps
         self.plan = plan
         """The plan trained now (rerouting: the kept plan, dead ranks included)."""
         self.reroute: ReroutePlan | None = None
@@ -153,9 +163,14 @@ class RecoveryController:
         self.interrupt = functools.partial(groups.interrupt, backend, job.port)
         """Makes an operation blocked in the current world return (peers' too)."""
         self.watcher = AbortWatcher(job, abort=self.interrupt)
-        self.watcher.start()
+        """Started by ``watch`` (a thread: whoever starts it stops it with ``close``)."""
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
+
+    def watch(self) -> RecoveryController:
+        """Interrupt the step in progress as soon as a failure is announced (a thread)."""
+        self.watcher.start()
+        return self
 
     def step_started(self, iteration: int) -> None:
         """Remember the RNG state a redo of this step must start from."""
@@ -189,11 +204,15 @@ class RecoveryController:
     def _handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         abandoned = time.time()
         timeouts = self.detector.timeouts
-        events = self.detector.wait_for_events(timeouts.rendezvous_s)
-        if not events:
-            logger.error("communication error but no failure announced within %.1f s: "
-                         "leaving (%s)", timeouts.rendezvous_s, exc)
-            return None
+        # A dead peer's announcement follows its error within a monitor interval; a timeout
+        # may be a slow peer nobody will announce.
+        wait_s = min(timeouts.rendezvous_s, SLOW_PEER_WAIT_S) if is_timeout(exc) \
+            else timeouts.rendezvous_s
+        events = self.detector.wait_for_events(wait_s)
+        if not events:  # slowness is not failure: every rank redoes the step
+            logger.warning("communication error with nothing announced within %.1f s (%s): "
+                           "every rank abandons the step", wait_s, exc)
+            return self.abandon(trainer, "timeout")
         return self._leave_step(trainer, events.cause, abandoned, timeouts)
 
     def abandon(self, trainer: TrainerHandle, reason: str) -> StepAction:
@@ -301,7 +320,8 @@ class RecoveryController:
         self.detector.hold(self.ft.startup_timeout_s)
         if finished:
             self.job.mark_done()
-        self.watcher.stop()
+        if self.watcher.running:
+            self.watcher.stop()
 
     # ----------------------------------------------------------------------- attempts
     def _recover(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
@@ -404,8 +424,10 @@ class RecoveryController:
                                       reroute=self.reroute,
                                       step_time_s=self.detector.typical_step_time,
                                       regroup_s=self.last_regroup_s,
-                                      history=self.feedback.observations())
-            if self._cause not in ("failure", "join", "replan"):  # an abandoned step
+                                      history=self.feedback.observations(),
+                                      swap_bandwidth_Bps=self.swap_bandwidth_Bps)
+            new_failures = membership.failed - self.known_failed
+            if self._cause not in ("failure", "join", "replan") and not new_failures:
                 decision = keep_layout(self.plan, self.reroute, alive=membership.members,
                                        profile=profile, cause=self._cause)
             else:
@@ -429,11 +451,14 @@ class RecoveryController:
         rank, size = decision.active.index(self.me), len(decision.active)
         join_world(self.job, membership, rank, size, backend=self.backend,
                    timeout_s=timeouts.rendezvous_s)
+        hints = {}
+        if self.me in decision.swap_budgets:  # this stage swaps to fit device memory
+            hints["swap_budget_fraction"] = decision.swap_budgets[self.me]
         if decision.mode == "megatron":
             lay = decision.layout
             groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
             self._keepalive()
-            trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size)
+            trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size, hints=hints)
             return
         runtime = build_runtime(
             trainer.args, decision.plan, self.me, sync_groups=decision.sync_groups,
@@ -442,7 +467,7 @@ class RecoveryController:
             timeout_s=timeouts.rendezvous_s)
         self._keepalive()
         trainer.use_engine(PlanEngine(runtime, trainer.train_data(), trainer.device),
-                           rank=rank, world_size=size)
+                           rank=rank, world_size=size, hints=hints)
 
     def _load_checkpoint(self, trainer: TrainerHandle) -> None:
         path = trainer.args.save or trainer.args.load

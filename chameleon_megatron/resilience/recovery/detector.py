@@ -116,6 +116,12 @@ def is_communication_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _COMM_MARKERS)
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """A communication error that is a wait running out (the peer may be only slow)."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
 class FailureDetector:
     """The worker side of detection: beats, derives timeouts, reads announcements."""
 
@@ -230,6 +236,10 @@ class AbortWatcher:
         (returns once no interruption is in progress)."""
         with self._lock:
             self._seen = self._events()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()

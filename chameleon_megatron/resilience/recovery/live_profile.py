@@ -65,10 +65,25 @@ def check_profile(profile: Profile, args: Any) -> None:
 def runtime_profile(args: Any, *, path: str | None, hardware: Hardware, plan: Plan,
                     step_time_s: float | None, regroup_s: float | None,
                     reroute: ReroutePlan | None = None,
-                    history: Sequence[Observation] = ()) -> Profile:
+                    history: Sequence[Observation] = (), swap_bandwidth_Bps: float = 0.0
+                    ) -> Profile:
     """The profile for a decision while training ``plan`` (rerouting as ``reroute`` says) at
     ``step_time_s`` (None: not measured yet), calibrated on that and on the layouts measured
-    earlier in this job (``history``, from estimator feedback)."""
+    earlier in this job (``history``, from estimator feedback). ``swap_bandwidth_Bps``: the
+    job swaps activations at this bandwidth (0: it does not, so no plan may rely on it; a
+    profile file's own figure, when it has one, is kept)."""
+    profile = _profile(args, path=path, hardware=hardware, plan=plan, step_time_s=step_time_s,
+                       regroup_s=regroup_s, reroute=reroute, history=history)
+    if swap_bandwidth_Bps <= 0:
+        return dataclasses.replace(profile, swap_bandwidth_Bps=0.0)
+    if profile.swap_bandwidth_Bps <= 0:
+        return dataclasses.replace(profile, swap_bandwidth_Bps=swap_bandwidth_Bps)
+    return profile
+
+
+def _profile(args: Any, *, path: str | None, hardware: Hardware, plan: Plan,
+             step_time_s: float | None, regroup_s: float | None, reroute: ReroutePlan | None,
+             history: Sequence[Observation]) -> Profile:
     if path:
         profile = load_profile(path)
         check_profile(profile, args)

@@ -67,8 +67,10 @@ def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
 
 
 class ResiliencePlugin(TrainerPlugin):
-    def __init__(self, ft: ResilienceConfig) -> None:
+    def __init__(self, ft: ResilienceConfig, *, swap_bandwidth_Bps: float = 0.0) -> None:
+        """``swap_bandwidth_Bps``: the job swaps activations at this bandwidth (0: no)."""
         self.ft = ft
+        self.swap_bandwidth_Bps = swap_bandwidth_Bps
         self.controller: RecoveryController | None = None
         self._args: Any = None
         self._remove_hooks: Callable[[], None] = lambda: None
@@ -103,7 +105,7 @@ class ResiliencePlugin(TrainerPlugin):
         return RecoveryController(
             job=job, detector=detector,
             injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
-            plan=plan, backend=backend)
+            plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps).watch()
 
     def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:
         relaunch = os.environ.get(RELAUNCH_ENV)

@@ -104,3 +104,33 @@ def test_profile_refuses_metrics_without_run_record(tmp_path):
     metrics.write_text(json.dumps({"event": "iteration", "step_time_s": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no {'event': 'run'}"):
         main(["profile", "--metrics", str(metrics), "-o", str(tmp_path / "p.json")])
+
+
+def test_plan_with_swap_fits_a_stage_over_memory(tmp_path, capsys):
+    """Device memory the failure-free DP2 x PP2 layout just fits: re-planning three ranks,
+    the fastest split (2-1-1) is over memory on its first stage; with a swap bandwidth it
+    is taken with that stage's budget and stall, without one another split is."""
+    args = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "micro_batch_size": 2, "global_batch_size": 8, "padded_vocab_size": 128,
+            "tensor_model_parallel_size": 1}
+    hw = Hardware(device_memory_bytes=2508800, p2p_bandwidth_Bps=1e15,
+                  allreduce_bandwidth_Bps=1e3, transfer_bandwidth_Bps=1e9)
+    path = tmp_path / "p.json"
+    save_profile(profile_from_shape(ModelShape.from_args(args), hw, seconds_per_flop=1e-12,
+                                    name="tiny", source="test"), path)
+    base = ["plan", "--profile", str(path), "--layout", "tp=1,pp=2,dp=2", "--failed", "3",
+            "--d-s", "1e9", "--strategy", "replan"]
+    assert main([*base, "--json", "--swap-bandwidth-gbps", "10"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = Plan.from_dict(out["replan"]["plan"])
+    assert [len(s.layers) for s in plan.pipelines[0].stages] == [2, 1, 1]
+    (swap,) = out["decision"]["swap"]
+    assert (swap["pipeline"], swap["stage"]) == (0, 0) and 0 < swap["fraction"] < 1
+    assert main([*base, "--json"]) == 0  # the profile's own: no swapping
+    out = json.loads(capsys.readouterr().out)
+    assert out["decision"]["swap"] == []
+    assert [len(s.layers) for s in Plan.from_dict(out["replan"]["plan"]).pipelines[0].stages] \
+        == [1, 2, 1]
+    assert main([*base, "--swap-bandwidth-gbps", "10"]) == 0
+    assert "stage 0 (ranks [0]) swaps to fit: keeps 67% of its activations" in \
+        capsys.readouterr().out

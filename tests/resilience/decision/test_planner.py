@@ -1,5 +1,6 @@
 """Algorithm 1 against brute-force enumeration of the same space on small clusters."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -87,6 +88,17 @@ def gradient_heavy_profile(rng, L, M, tp):
                         ar_bw=rng.uniform(0.5, 2.0))
 
 
+def swapping_profile(rng, L, M, tp):
+    """Memory too small for most plans as they are, and a swap bandwidth: stages over it fit
+    by swapping, at the stall of their copies (a copy as slow as a layer's compute, or more)."""
+    layers = [cost(f=rng.uniform(0.5, 1.5), b=rng.uniform(1.0, 3.0), param=rng.uniform(1, 2),
+                   opt=rng.uniform(1, 2), act=rng.uniform(1, 4)) for _ in range(L)]
+    static = sum(2 * c.param_bytes + c.optimizer_bytes for c in layers)
+    return make_profile(layers=layers, tp=tp, gbs=M, boundary=1.0, p2p_bw=1e9,
+                        ar_bw=rng.uniform(1.0, 8.0), memory=rng.uniform(0.4, 0.7) * static,
+                        swap_bw=rng.uniform(0.5, 3.0))
+
+
 CASES = [  # (seed, layers, microbatches, units, tp, options, profile)
     (1, 5, 7, 6, 1, SearchOptions(), random_profile),
     (52, 5, 9, 6, 2, SearchOptions(), random_profile),  # 12 devices
@@ -97,6 +109,9 @@ CASES = [  # (seed, layers, microbatches, units, tp, options, profile)
     (3, 6, 8, 7, 1, SearchOptions(max_idle_units=0, min_pipelines=2), random_profile),
     (18, 5, 6, 4, 1, SearchOptions(), gradient_heavy_profile),
     (40, 5, 6, 4, 2, SearchOptions(), gradient_heavy_profile),  # 8 devices
+    (1, 5, 8, 5, 1, SearchOptions(), swapping_profile),
+    (7, 6, 8, 6, 1, SearchOptions(), swapping_profile),
+    (9, 6, 8, 6, 1, SearchOptions(max_depth=4), swapping_profile),
 ]
 
 
@@ -128,6 +143,27 @@ def test_cases_exercise_heterogeneous_optima_and_memory_pruning():
         pruned += profile.device_memory_bytes < sum(2 * c.param_bytes + c.optimizer_bytes
                                                     for c in profile.layers)
     assert mixed >= 3 and pruned >= 5
+
+
+def test_swap_cases_plan_stages_over_memory_and_pay_their_stall():
+    """The swapping cases are not trivial: their optimum swaps on some stage, and swapping is
+    what makes it feasible (without a swap bandwidth the same plan does not fit)."""
+    swapped = stalled = 0
+    for seed, L, M, n, tp, opts, factory in CASES:
+        if factory is not swapping_profile:
+            continue
+        profile = factory(random.Random(seed), L, M, tp)
+        shape = Planner(profile, opts).search(n).pipelines
+        plan = build([p.depth for p in shape], [p.microbatches for p in shape],
+                     [p.layer_counts for p in shape], L, tp)
+        est = plan_step(plan, profile)
+        swapped += bool(est.swaps)
+        stalled += any(s.stall_s > 0 for s in est.swaps.values())
+        if est.swaps:
+            no_swap = plan_step(plan, dataclasses.replace(profile, swap_bandwidth_Bps=0.0))
+            assert est.fits_memory and not no_swap.fits_memory
+            assert est.t_step_s >= no_swap.t_step_s
+    assert swapped >= 2 and stalled >= 2
 
 
 def test_deadline_returns_the_best_plan_so_far():

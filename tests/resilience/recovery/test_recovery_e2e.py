@@ -89,3 +89,19 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
     assert second["spares"] == [4] and dumps[4] == {"spare": True}
     assert sorted(dumps) == [0, 1, 2, 3, 4]
     assert_same_state(combine([ref_dump]), combine([dumps[r] for r in range(4)]))
+
+
+def test_a_slow_rank_is_not_a_failed_one(reference, tmp_path: Path) -> None:
+    """DP2: rank 1 stops 3 s in step 3, longer than the group timeout (2 s) and shorter
+    than its heartbeat (4 s). Rank 0's all-reduce times out with nothing announced: every
+    rank abandons step 3 and redoes it in the same layout; nobody is declared failed."""
+    ref_losses, ref_dump = reference
+    recs, dumps, log = launch(tmp_path, 2, [
+        *FT, "--chameleon-ft-min-pg-timeout-s", "2", "--chameleon-ft-pg-timeout-factor", "1",
+        "--chameleon-ft-startup-timeout-s", "120", "--stall-at", "1:3:3"], timeout_s=150)
+    assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
+    (recovery,) = [r for r in recs if r["event"] == "recovery"]
+    assert recovery["cause"] == "timeout" and recovery["failures"] == []
+    assert recovery["redo_iteration"] == 3 and recovery["layout_after"]["dp"] == 2
+    assert "worker failed" not in log
+    assert_same_state(combine([ref_dump]), combine([dumps[0], dumps[1]]))

@@ -101,3 +101,48 @@ def test_without_fault_tolerance_a_shared_step_is_not_redone_alone(tmp_path: Pat
     assert "StepNotRedone: rank 0: step 3 failed (OutOfMemoryError" in log, log[-3000:]
     assert "needs every rank of the job: run under chameleon-run with --chameleon-ft" in log
     outcome(tmp_path)  # no process left behind
+
+
+FF_PEAK = 2508800
+"""Eq. 14's largest stage of the failure-free DP2 x PP2 layout of this model (bytes)."""
+
+
+def _replan(tmp: Path, memory: float, swap: list[str]) -> tuple[list, dict]:
+    profile = write_profile(tmp / "p.json", favour="pp", tp=1, device_memory_bytes=memory)
+    recs, dumps, log = launch(tmp, 4, [
+        *PP2, *FT, "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-strategy",
+        "replan", "--chameleon-ft-profile", str(profile), *swap,
+        *faults("rank=3,iteration=3,phase=forward,kind=exit")], timeout_s=240, iters=ITERS)
+    (recovery,) = [r for r in recs if r["event"] == "recovery"]
+    return recs, recovery
+
+
+def test_a_re_plan_over_device_memory_swaps_to_fit_and_computes_the_same(tmp_path):
+    """Device memory that the failure-free layout just fits: the best re-plan over the three
+    survivors (one pipeline, layers 2-1-1) is over memory on its first stage, and swapping
+    makes it fit at a small stall, so the decision center takes it with that stage's budget;
+    the stage swaps within it. With the memory raised, the same re-plan without swap: the
+    losses are bitwise those of that run."""
+    (tmp_path / "tight").mkdir()
+    tight, rec = _replan(tmp_path / "tight", FF_PEAK, [
+        "--chameleon-swap", "--chameleon-swap-budget-fraction", "1.0"])
+    assert rec["layout_after"]["pipelines"][0]["layers"] == [2, 1, 1], rec["layout_after"]
+    (stage0,) = rec["decision"]["swap"]
+    assert stage0["stage"] == 0 and 0 < stage0["fraction"] < 1 and stage0["stall_s"] >= 0
+    assert stage0["ranks"] == [0], "rank 0 keeps its stage"
+    after = [r["swap"] for r in tight if r["event"] == "iteration"
+             and r["iteration"] > rec["redo_iteration"]]
+    assert after
+    for s in after:
+        first = s["stages"][0]
+        assert first["budget_bytes"] == int(stage0["fraction"] * first["peak_saved_bytes"])
+        assert first["swapped_out_bytes"] > 0
+        assert first["peak_resident_saved_bytes"] <= first["budget_bytes"]
+        assert all(st["swapped_out_bytes"] == 0 for st in s["stages"][1:])  # they fit
+
+    (tmp_path / "roomy").mkdir()
+    roomy, rec2 = _replan(tmp_path / "roomy", 1e12, [])
+    assert rec2["layout_after"]["pipelines"] == rec["layout_after"]["pipelines"]
+    assert rec2["decision"]["swap"] == []
+    loss = {r["iteration"]: r["loss"] for r in tight if r["event"] == "iteration"}
+    assert loss == {r["iteration"]: r["loss"] for r in roomy if r["event"] == "iteration"}
