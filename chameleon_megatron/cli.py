@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from chameleon_megatron.errors import fail, user_error
+
 SUBCOMMANDS = ("plan", "profile", "simulate", "report")
 
 
@@ -33,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except Exception as exc:  # noqa: BLE001 - a user's mistake is one line; a bug is not
+        message = user_error(exc)
+        if message is None or args.verbose:
+            raise
+        raise fail(f"chameleon {args.command}", message) from None
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Mapping
 import yaml
 
 from chameleon_megatron.configurable import ConfigError, add_flags, cli_overrides, from_mapping
+from chameleon_megatron.errors import reading
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.swap.config import SwapConfig
 
@@ -28,6 +29,9 @@ class MetricsConfig:
 
     file: str | None = None
     """Path of the JSON-lines metrics file written by the first rank (none: no file)."""
+    append: bool = False
+    """Add this run to a metrics file that already holds one (each record then carries the
+    run's ``run_id``); without it such a file is refused, so that runs are never mixed."""
 
 
 COMPONENTS: tuple[type, ...] = (MetricsConfig, SwapConfig, ResilienceConfig)
@@ -59,8 +63,10 @@ def add_chameleon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a preset file, which must hold a mapping at the top."""
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    if not Path(path).is_file():
+        raise ConfigError(f"--chameleon-config {path}: no such file")
+    with reading(path):
+        data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data

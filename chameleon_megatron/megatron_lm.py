@@ -46,7 +46,7 @@ from chameleon_megatron.config import (
     read_yaml,
 )
 from chameleon_megatron.configurable import ConfigError
-from chameleon_megatron.training.metrics import MetricsWriter
+from chameleon_megatron.metrics_file import MetricsWriter
 from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
 
 logger = logging.getLogger(__name__)

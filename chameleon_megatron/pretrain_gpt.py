@@ -6,12 +6,15 @@ trains in one process. Flags are Megatron-LM's, plus ``--chameleon-*``.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from typing import TYPE_CHECKING
 
 from chameleon_megatron.config import ChameleonConfig, config_from_args
-from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.errors import user_errors
+from chameleon_megatron.logs import setup_logging
+from chameleon_megatron.preflight import preflight
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import env_from_torchrun
 from chameleon_megatron.training.validate import validate_args
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     from chameleon_megatron.training.plugin import TrainerPlugin
 
 logger = logging.getLogger("chameleon_megatron.pretrain_gpt")
+PROG = "chameleon-pretrain-gpt"
 
 
 def build_plugins(cfg: ChameleonConfig) -> list["TrainerPlugin"]:
@@ -41,13 +45,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     """Parse, validate, train; returns this rank's metrics records."""
     # Heavy imports stay inside: checkpoint writers spawn helper processes that re-import
     # the main module, and bad flags should fail before torch and megatron are loaded.
-    args = parse_args(argv)
     env = env_from_torchrun()
-    try:
-        validate_args(args, env.world_size)
-        cfg = config_from_args(args)
-    except ConfigError as exc:
-        raise SystemExit(f"chameleon-pretrain-gpt: error: {exc}") from None
+    args, cfg = checked_args(argv, env.world_size, speak=env.rank == 0)
     from chameleon_megatron.megatron.platform import CpuPlatform
 
     platform = CpuPlatform()
@@ -70,6 +69,18 @@ def run(argv: list[str] | None = None) -> list[dict]:
         platform.remove()
 
 
+def checked_args(argv: list[str] | None, world_size: int, *, prog: str = PROG,
+                 speak: bool = True) -> tuple[argparse.Namespace, ChameleonConfig]:
+    """The run's arguments and Chameleon config, checked against each other and the world;
+    a mistake ends the process with ``<prog>: error: <line>`` (said where ``speak``: by rank 0
+    only, as every rank has the same)."""
+    with user_errors(prog, speak=speak):
+        args = validate_args(parse_args(argv), world_size)
+        cfg = config_from_args(args)
+        preflight(args, cfg)
+    return args, cfg
+
+
 def joining(cfg: ChameleonConfig) -> bool:
     """Whether this process was started to join a running job (a restarted worker)."""
     if not cfg.ft.enabled:
@@ -79,15 +90,8 @@ def joining(cfg: ChameleonConfig) -> bool:
     return join_id_from_env() is not None
 
 
-def setup_logging() -> None:
-    """Application logging: ours at INFO, megatron-core's (very chatty at INFO) at WARNING."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-
-
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
+    setup_logging(env_from_torchrun().rank)
     run(argv)
     return 0
 

@@ -19,9 +19,11 @@ import os
 import sys
 
 import torch.distributed.run as torchrun
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from chameleon_megatron.config import add_chameleon_args, config_from_args
+from chameleon_megatron.errors import USAGE_EXIT, fail, user_errors
+from chameleon_megatron.logs import FORMAT, RecordFormatter
 from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.agent import ChameleonAgent
@@ -31,9 +33,11 @@ from chameleon_megatron.resilience.launch.store_loss import (
     relaunch_args,
     resume_directory,
 )
-from chameleon_megatron.resilience.store.job_store import AGENT_ENV, RELAUNCH_ENV
+from chameleon_megatron.resilience.store.env import AGENT_ENV, RELAUNCH_ENV
 
 logger = logging.getLogger("chameleon_megatron.run")  # also when run as __main__
+PROG = "chameleon-run"
+TRAINER = "chameleon_megatron.pretrain_gpt"
 
 
 def ft_config(training_args: list[str]) -> ResilienceConfig:
@@ -61,23 +65,63 @@ def log_agent_events() -> None:
     """The agent's records (failures, restarts, joins) at INFO on stderr; torch's loggers
     keep their own set-up."""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RecordFormatter(FORMAT))
     ours = logging.getLogger("chameleon_megatron")
     ours.setLevel(logging.INFO)
     ours.addHandler(handler)
     ours.propagate = False
 
 
+def check_training_args(args: argparse.Namespace) -> None:
+    """When the workers run this project's trainer on a known world size, check their
+    arguments here: a mistake is one line before any worker starts, not one per worker."""
+    if not (args.module and args.training_script == TRAINER):
+        return
+    nproc, nnodes = str(args.nproc_per_node), str(args.nnodes)
+    low, _, high = nnodes.partition(":")
+    nnodes = low if high in ("", low) else ""  # "1" and "1:1" fix it; elastic "1:4" does not
+    if not (nproc.isdigit() and nnodes.isdigit()):  # nor do "gpu" and "auto"
+        return
+    from chameleon_megatron.pretrain_gpt import checked_args
+
+    checked_args(args.training_script_args, int(nproc) * int(nnodes), prog=PROG)
+
+
+def worker_failure(exc: ChildFailedError) -> tuple[str, int]:
+    """One line for the workers that failed (their own messages are above it) and the exit
+    code to end with: the first failed worker's."""
+    failures = sorted(exc.failures.items())
+    rank, first = failures[0]
+    others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+    return (f"worker rank {rank} (local rank {first.local_rank}, pid {first.pid}) exited with "
+            f"code {first.exitcode}{others}; its output is above", first.exitcode or 1)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
-    ft = ft_config(args.training_script_args)
+    with user_errors(PROG):
+        ft = ft_config(args.training_script_args)
+        if ft.enabled:
+            check_ft_launch(args)
+            os.environ[AGENT_ENV] = "1"
+    check_training_args(args)
+    # torchrun logs a failed worker at ERROR; the line printed below says the same.
+    logging.getLogger(torch_seams.LAUNCH_API_LOGGER).addFilter(
+        lambda record: "failed (exitcode" not in record.getMessage())
+    try:
+        return launch(args, ft)
+    except ChildFailedError as exc:
+        message, code = worker_failure(exc)
+        fail(PROG, message)
+        return code if code > 0 else USAGE_EXIT
+
+
+def launch(args: argparse.Namespace, ft: ResilienceConfig) -> int:
     if not ft.enabled:
         torchrun.run(args)
         return 0
-    check_ft_launch(args)
     log_agent_events()
-    os.environ[AGENT_ENV] = "1"
     # NCCL: on a communication error abort the communicators and raise (2), rather than
     # tear the process down (torchrun's default 1), so that the survivors can recover.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")

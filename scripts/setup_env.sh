@@ -10,8 +10,11 @@ fi
 stamp=.venv/.chameleon-setup
 want=$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    # Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
-    .venv/bin/python -m pip install -q "torch==2.13.0"
+    # Pin torch first: an unpinned torch would pull a multi-GB CUDA build. From PyPI even the
+    # pinned one is the CUDA build on Linux: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+    # takes the CPU build (not needed where pip finds a local CPU wheel, as on the CI machines).
+    .venv/bin/python -m pip install -q "torch==2.13.0" \
+        ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     .venv/bin/python -m pip install -q -e ".[test]"
     echo "$want" > "$stamp"
 fi

@@ -7,20 +7,19 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chameleon_megatron.resilience.decision.candidates import Candidates, make_candidates
-from chameleon_megatron.resilience.decision.center import swap_budgets
-from chameleon_megatron.resilience.decision.layout import Plan, UniformLayout
-from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.decision.perf_model import plan_step
-from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
-from chameleon_megatron.resilience.decision.profile import load_profile
-from chameleon_megatron.resilience.decision.selector import NoFeasibleCandidate, select
+from chameleon_megatron.errors import UserError, reading
+
+if TYPE_CHECKING:  # the decision center loads numpy; --help should not wait for it
+    from chameleon_megatron.resilience.decision.candidates import Candidates
+    from chameleon_megatron.resilience.decision.layout import UniformLayout
 
 
 def parse_layout(text: str) -> UniformLayout:
     """'tp=2,pp=4,dp=8[,vpp=2]' -> UniformLayout."""
+    from chameleon_megatron.resilience.decision.layout import UniformLayout
+
     try:
         parts = dict(item.split("=", 1) for item in text.split(","))
         return UniformLayout(**{k.strip(): int(v) for k, v in parts.items()})
@@ -28,8 +27,18 @@ def parse_layout(text: str) -> UniformLayout:
         raise ValueError(f"--layout {text!r}: expected tp=T,pp=P,dp=D[,vpp=V] ({exc})") from None
 
 
-def parse_list(text: str, kind: type = int) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
+NUMBER = {int: "an integer", float: "a number"}
+
+
+def parse_list(text: str, flag: str, kind: type = int) -> list:
+    """'1,5,9' -> [1, 5, 9]; UserError naming ``flag`` and the item that is not a number."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        try:
+            out.append(kind(item))
+        except ValueError:
+            raise UserError(f"{flag} {text!r}: {item!r} is not {NUMBER[kind]}") from None
+    return out
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -62,21 +71,41 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chameleon_megatron.resilience.decision.candidates import make_candidates
+    from chameleon_megatron.resilience.decision.center import swap_budgets
+    from chameleon_megatron.resilience.decision.layout import Plan
+    from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
+    from chameleon_megatron.resilience.decision.perf_model import plan_step
+    from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
+    from chameleon_megatron.resilience.decision.profile import load_profile
+    from chameleon_megatron.resilience.decision.selector import NoFeasibleCandidate, select
+
     profile = load_profile(args.profile)
     if args.swap_bandwidth_gbps is not None:
         if args.swap_bandwidth_gbps < 0:
-            raise SystemExit(f"--swap-bandwidth-gbps={args.swap_bandwidth_gbps}: must be >= 0")
+            raise UserError(f"--swap-bandwidth-gbps={args.swap_bandwidth_gbps}: must be >= 0")
         profile = dataclasses.replace(profile, swap_bandwidth_Bps=args.swap_bandwidth_gbps * 1e9)
     if args.layout:
-        current = parse_layout(args.layout).to_plan(profile.num_layers, profile.global_microbatches)
+        try:
+            current = parse_layout(args.layout).to_plan(profile.num_layers,
+                                                        profile.global_microbatches)
+        except ValueError as exc:
+            raise UserError(f"--layout {args.layout} with the {profile.num_layers} layers of "
+                            f"--profile {args.profile}: {exc}") from None
     else:
-        current = Plan.from_dict(json.loads(Path(args.plan).read_text()))
-    dead = parse_list(args.failed)
+        with reading(args.plan):
+            current = Plan.from_dict(json.loads(Path(args.plan).read_text()))
+    if not args.failed.strip():
+        raise UserError("--failed '': name at least one failed rank (a healthy cluster "
+                        "needs no recovery)")
+    dead = parse_list(args.failed, "--failed")
     unknown = sorted(set(dead) - set(current.ranks()))
     if unknown:
-        raise SystemExit(f"--failed: ranks {unknown} are not in the layout")
+        raise UserError(f"--failed: ranks {unknown} are not in the layout "
+                        f"(ranks 0..{len(current.ranks()) - 1})")
     d_s = args.d_s if args.d_s is not None else MtbfEstimator(prior_s=args.mtbf_prior_s).expected_s(
-        parse_list(args.failure_times, float), args.now_s)
+        parse_list(args.failure_times, "--failure-times", float) if args.failure_times.strip()
+        else [], args.now_s)
     options = SearchOptions(min_depth=args.min_depth, max_depth=args.max_depth,
                             min_pipelines=args.min_pipelines, max_pipelines=args.max_pipelines,
                             max_idle_units=args.max_idle, uniform=args.uniform,
@@ -124,6 +153,8 @@ def _table(cands: Candidates, record: dict[str, Any]) -> str:
                      f"{num(row['t_step_s'], '.3f'):>10}{num(row['t_transition_s'], '.2f'):>11}"
                      f"{num(row['score'], '.2f'):>10}  {detail}")
     lines.append(f"choice: {record['choice'] or 'none (no feasible candidate)'}")
+    lines.append("plans: Nx(dD,mM) = N pipelines of D stages running M microbatches each; "
+                 "tpT = ranks per stage")
     for sw in record.get("swap", ()):
         lines.append(f"  pipeline {sw['pipeline']} stage {sw['stage']} (ranks {sw['ranks']}) "
                      f"swaps to fit: keeps {sw['fraction']:.0%} of its activations "

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from chameleon_megatron.errors import UserError, reading
 from chameleon_megatron.resilience.decision.metrics_profile import profile_from_metrics
 from chameleon_megatron.resilience.decision.model_shape import SHAPE_KEYS, ModelShape
 from chameleon_megatron.resilience.decision.profile import save_profile
@@ -26,6 +27,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --args: achieved TFLOP/s per device")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument("--name", default=None, help="profile name (default: output file stem)")
+    p.add_argument("--run", type=int, default=None,
+                   help="with --metrics: which run of the file (run ids count from 1; "
+                        "default: the last)")
     p.add_argument("--skip", type=int, default=2,
                    help="warm-up steps ignored per layout (default 2)")
     p.add_argument("--device-memory-gib", type=float, default=H100.device_memory_bytes / 2**30)
@@ -51,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or Path(args.output).stem
     report: dict[str, Any] = {"output": args.output}
     if args.metrics:
-        profile, cal, model = profile_from_metrics(args.metrics, hw, name=name, skip=args.skip)
+        profile, cal, model = profile_from_metrics(args.metrics, hw, name=name, skip=args.skip,
+                                                   run=args.run)
         report["calibration"] = {
             "factor": cal.factor, "mean_abs_error": cal.mean_abs_error,
             "rows": [dict(zip(("layout", "measured_s", "estimated_s", "rel_error"), r))
@@ -59,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
         }
     else:
         if not args.effective_tflops or args.effective_tflops <= 0:
-            raise SystemExit("--args needs --effective-tflops > 0")
-        megatron = json.loads(Path(args.args).read_text())
+            raise UserError(f"--effective-tflops={args.effective_tflops}: --args needs it > 0")
+        with reading(args.args):
+            megatron = json.loads(Path(args.args).read_text())
         profile = profile_from_shape(
             ModelShape.from_args(megatron), hw, seconds_per_flop=1e-12 / args.effective_tflops,
             name=name, source=f"chameleon profile --args {Path(args.args).name} --effective-tflops "

@@ -1,10 +1,14 @@
-"""``chameleon report METRICS.jsonl [--out PNG]``: resident saved memory with and without swap.
+"""``chameleon report METRICS.jsonl``: swap memory and recoveries from a metrics file.
 
-Reads the iteration records of a metrics file written with ``--chameleon-swap`` and draws,
+Swap (iteration records of a ``--chameleon-swap`` run; ``--out``, default METRICS-swap.png):
 per pipeline stage (one panel each: the budgets are per stage) and per iteration, the peak
 of resident saved-activation bytes with swap, the peak the same step would have had without
 it, and the budget; re-profiled steps and detected sequence changes are marked. Prints a
 short summary per stage.
+
+Recoveries (a ``--chameleon-ft`` run; ``--recovery-out``, default METRICS-recovery.png):
+throughput over time with each recovery's phases shaded and each layout labelled, and a
+summary of each recovery (``report_recovery``). A file with both gets both figures.
 """
 
 from __future__ import annotations
@@ -13,17 +17,27 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from chameleon_megatron.training.metrics import read_metrics
+from chameleon_megatron.commands import report_recovery
+from chameleon_megatron.metrics_file import read_metrics
 
 MIB = 1 << 20
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("report", help="plot swap memory from a metrics file",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser("report", description=__doc__,
+                              help="plot swap memory and recoveries from a metrics file",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", help="JSON-lines metrics file (--chameleon-metrics-file)")
     p.add_argument("--out", default=None,
-                   help="PNG to write (default: METRICS with a -swap.png suffix)")
+                   help="swap PNG to write (default: METRICS with a -swap.png suffix)")
+    p.add_argument("--run", type=int, default=None,
+                   help="which run of the file (run ids count from 1; default: the last)")
+    p.add_argument("--baseline", default=None, metavar="METRICS",
+                   help="metrics file of a reference run (e.g. without the failure): compare "
+                        "the losses, iteration by iteration")
+    p.add_argument("--recovery-out", default=None,
+                   help="recovery timeline PNG of a --chameleon-ft run (default: METRICS with "
+                        "a -recovery.png suffix)")
     return p
 
 
@@ -101,14 +115,41 @@ def plot(series: dict[int, dict[str, list]], out: Path, title: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.metrics)
-    series = swap_series(read_metrics(path, event="iteration"))
-    if not series:
+    records = read_metrics(path, run=args.run)
+    series = swap_series([r for r in records if r.get("event") == "iteration"])
+    ft = report_recovery.is_ft(records)
+    if not series and not ft:
         print(f"chameleon report: {path} has no swap metrics "
-              "(train with --chameleon-swap and --chameleon-metrics-file)")
+              "(train with --chameleon-swap and --chameleon-metrics-file) and no recovery "
+              "records (--chameleon-ft)")
         return 1
-    out = Path(args.out) if args.out else path.with_name(path.stem + "-swap.png")
-    plot(series, out, f"swap: {path.name}")
-    for stage, col in series.items():
-        print(summary(col, stage))
-    print(f"wrote {out}")
+    if series:
+        out = Path(args.out) if args.out else path.with_name(path.stem + "-swap.png")
+        plot(series, out, f"swap: {path.name}")
+        for stage, col in series.items():
+            print(summary(col, stage))
+        print(f"wrote {out}")
+    if ft:
+        out = Path(args.recovery_out) if args.recovery_out else \
+            path.with_name(path.stem + "-recovery.png")
+        report_recovery.report(records, out, f"recoveries: {path.name}")
+        print(f"wrote {out}")
+    if args.baseline:
+        print(loss_against(records, read_metrics(args.baseline)))
     return 0
+
+
+def loss_against(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> str:
+    """The last loss against the reference run's, and their largest gap over the iterations
+    both ran."""
+    ours = {r["iteration"]: r["loss"] for r in records
+            if r.get("event") == "iteration" and r.get("loss") is not None}
+    theirs = {r["iteration"]: r["loss"] for r in reference
+              if r.get("event") == "iteration" and r.get("loss") is not None}
+    both = sorted(set(ours) & set(theirs))
+    if not both:
+        return "loss: no iteration in common with the reference run"
+    last = both[-1]
+    gap = max(abs(ours[i] - theirs[i]) for i in both)
+    return (f"loss at iteration {last}: {ours[last]:.6f} (reference {theirs[last]:.6f}); "
+            f"largest difference over {len(both)} iterations: {gap:.2e}")

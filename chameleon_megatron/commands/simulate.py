@@ -1,12 +1,19 @@
 """``chameleon simulate``: replay a failure trace (given, or drawn from an MTBF and a
-repair time) against Chameleon and the baselines; print JSON, optionally draw a PNG."""
+repair time) against Chameleon and the baselines; print JSON, optionally draw a PNG.
+
+The PNG (``--plot``): a strip of the trace's failures (red x) and repairs (green ^), each
+strategy's throughput over time as a step line (a gap while it is down; Chameleon thick,
+black, on top) and each strategy's average as a bar with its value. A run longer than
+``--progress-s`` says how far it is on stderr."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
 
 from chameleon_megatron.sim.config import STRATEGIES, load_preset
 from chameleon_megatron.sim.plotting import plot_throughput
@@ -29,8 +36,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--regroup-s", type=float, help="override the profile's regroup cost, s")
     p.add_argument("--strategies", help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--save-trace", help="write the replayed trace as JSON")
-    p.add_argument("--plot", help="write throughput over time as PNG")
+    p.add_argument("--plot", help="write throughput over time, failures, repairs and "
+                                  "averages as PNG")
+    p.add_argument("--progress-s", type=float, default=2.0,
+                   help="a progress line on stderr every this many seconds (0: none)")
     return p
+
+
+class ProgressLines:
+    """A ``simulate`` progress callback that writes a line at most every ``every_s``
+    seconds, so a run shorter than that stays quiet."""
+
+    def __init__(self, label: str, every_s: float, stream: TextIO,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.every_s, self.stream, self.clock = label, every_s, stream, clock
+        self.last = clock()
+
+    def __call__(self, fraction: float, strategy: str) -> None:
+        now = self.clock()
+        if self.every_s > 0 and now - self.last >= self.every_s:
+            self.last = now
+            print(f"simulating {self.label}: {fraction:.0%} (strategy {strategy})",
+                  file=self.stream, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, trace=args.trace, regroup_s=args.regroup_s,
         strategies=args.strategies.split(",") if args.strategies else None,
     )
-    report, results = simulate(config)
+    events = setup(config).events
+    report, results = simulate(config, events=events,
+                               progress=ProgressLines(preset.stem, args.progress_s, sys.stderr))
     if args.save_trace:
-        save_trace(setup(config).events, args.save_trace)
+        save_trace(events, args.save_trace)
     if args.plot:
         plot_throughput(results, report["failure_free"]["throughput"], args.plot,
                         title=f"{report['profile']} on {report['devices']} devices, "
-                              f"MTBF {config.mtbf_s / 3600:g} h")
+                              f"MTBF {config.mtbf_s / 3600:g} h", events=events)
         report["plot"] = args.plot
     print(json.dumps(report, indent=2))
     return 0

@@ -72,9 +72,11 @@ def build_uniform(tp: int, pp: int, *, timeout_s: float, vpp: int | None = None)
 
 
 def destroy() -> None:
-    """Tear down megatron's parallel state and the default group (safe with a dead peer)."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    """Tear down megatron's parallel state and the default group (safe with a dead peer).
+    Megatron's state is reset even when its groups are not all set (a layout megatron cannot
+    express leaves some, and the global memory buffer, behind): the next uniform layout's
+    initialization refuses anything left over."""
+    parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -89,6 +89,10 @@ def abort_together(nccl_groups: list[Any]) -> int:
 
 
 # ---------------------------------------------------------------------------- elastic agent
+LAUNCH_API_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+"""The logger torchrun reports a worker's exit with (a name, not an API: a rename only
+lets that report through again)."""
+
 AGENT_HOOKS = {
     "_start_workers": ("worker_group",),
     "_monitor_workers": ("worker_group",),

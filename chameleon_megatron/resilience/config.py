@@ -25,7 +25,7 @@ class ResilienceConfig:
     inject_fault: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"flag": "--chameleon-inject-fault"}
     )
-    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception'."""
+    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception|oom'."""
     startup_timeout_s: float = 300.0
     """Process-group and heartbeat timeout until a step time has been measured (start-up, model build, checkpoint I/O)."""
     pg_timeout_factor: float = 5.0
@@ -68,3 +68,7 @@ class ResilienceConfig:
                 parse_fault(text)
             except ValueError as exc:
                 raise ConfigError(f"ft.inject_fault={text!r}: {exc}") from None
+        check(self.enabled or not self.join, "ft.join", self.join,
+              "joins a fault-tolerant job: give --chameleon-ft too")
+        check(self.enabled or not self.inject_fault, "ft.inject_fault", self.inject_fault,
+              "faults are injected into fault-tolerant jobs: give --chameleon-ft too")

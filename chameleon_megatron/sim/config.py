@@ -10,6 +10,7 @@ from typing import ClassVar
 import yaml
 
 from chameleon_megatron.configurable import check, from_mapping
+from chameleon_megatron.errors import reading
 
 STRATEGIES = ("chameleon", "reroute", "replan", "checkpoint_restart", "redundant")
 EXTRA_STRATEGIES = ("chameleon_swap",)
@@ -98,7 +99,8 @@ class SimConfig:
 
 def load_preset(path: str | Path, **overrides: object) -> SimConfig:
     """A preset YAML file (a mapping of SimConfig keys), with overrides applied."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    with reading(path):
+        data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the preset must be a mapping of sim keys")
     data.update({k: v for k, v in overrides.items() if v is not None})

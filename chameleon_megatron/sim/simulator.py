@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from chameleon_megatron.resilience.decision.layout import Plan, UniformLayout
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
@@ -14,9 +14,12 @@ from chameleon_megatron.resilience.decision.planner import Planner, SearchOption
 from chameleon_megatron.resilience.decision.profile import Profile, load_profile
 from chameleon_megatron.sim.baselines import CheckpointRestart, RedundantComputation
 from chameleon_megatron.sim.config import SimConfig
-from chameleon_megatron.sim.engine import Checkpointing, Strategy, StrategyResult, replay
+from chameleon_megatron.sim.engine import Checkpointing, Reaction, Strategy, StrategyResult, replay
 from chameleon_megatron.sim.strategies import InMemoryStrategy
 from chameleon_megatron.sim.traces import Event, check_trace, draw_trace, load_trace
+
+Progress = Callable[[float, str], None]
+"""Told (fraction of the whole simulation done, strategy being replayed) as it goes."""
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,37 @@ def make_strategy(name: str, config: SimConfig, s: Setup, planner: Planner) -> S
                             estimator=estimator, **common)
 
 
+@dataclass(frozen=True)
+class _Reporting:
+    """A strategy whose reactions also report how far through the trace the replay is
+    (reactions are where the time goes: each may search for a plan)."""
+
+    inner: Strategy
+    progress: Progress
+    done: float
+    """Fraction of the simulation done before this strategy's replay."""
+    share: float
+    """This replay's share of the simulation."""
+    horizon_s: float
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def step_s(self) -> float | None:
+        return self.inner.step_s()
+
+    def react(self, event: Event, now_s: float) -> Reaction:
+        reaction = self.inner.react(event, now_s)
+        self.progress(self.done + self.share * min(now_s / self.horizon_s, 1.0), self.name)
+        return reaction
+
+
 def simulate(config: SimConfig, profile: Profile | None = None,
-             events: Sequence[Event] | None = None,
+             events: Sequence[Event] | None = None, progress: Progress | None = None,
              ) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
-    """(JSON report, per-strategy results with their throughput segments)."""
+    """(JSON report, per-strategy results with their throughput segments). ``progress``:
+    called after each event of each replay and once at the end with 1.0."""
     s = setup(config, profile, events)
     options = SearchOptions(min_depth=config.min_depth, max_depth=config.max_depth,
                             time_limit_s=config.search_time_limit_s)
@@ -81,10 +111,13 @@ def simulate(config: SimConfig, profile: Profile | None = None,
     ff = batch / ff_step
     results: dict[str, StrategyResult] = {}
     notes = []
-    for name in config.strategies:
+    share = 1.0 / max(len(config.strategies), 1)
+    for k, name in enumerate(config.strategies):
         strategy = make_strategy(name, config, s, planner)
         write = config.checkpoint_write_s if name == "checkpoint_restart" else 0.0
-        results[name] = replay(strategy, s.events, horizon_s=config.horizon_s, batch=batch,
+        replayed: Strategy = strategy if progress is None else _Reporting(
+            strategy, progress, k * share, share, config.horizon_s)
+        results[name] = replay(replayed, s.events, horizon_s=config.horizon_s, batch=batch,
                                ckpt=Checkpointing(config.checkpoint_interval, write))
         if isinstance(strategy, RedundantComputation) and not strategy.fits_memory:
             notes.append("redundant: a stage with its successor's replica exceeds device memory; "
@@ -108,6 +141,8 @@ def simulate(config: SimConfig, profile: Profile | None = None,
         },
         "notes": notes,
     }
+    if progress is not None and config.strategies:
+        progress(1.0, config.strategies[-1])
     cham = results.get("chameleon")
     if cham is not None:
         report["ratios"] = {

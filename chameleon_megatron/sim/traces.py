@@ -10,6 +10,8 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from chameleon_megatron.errors import UserError, reading
+
 
 @dataclass(frozen=True, order=True)
 class Event:
@@ -74,8 +76,13 @@ def check_trace(events: Sequence[Event], world_size: int) -> tuple[Event, ...]:
 
 def load_trace(path: str | Path) -> tuple[Event, ...]:
     """JSON list of {"time_s": t, "kind": "fail"|"repair", "rank": r}."""
-    data = json.loads(Path(path).read_text())
-    return tuple(Event(float(e["time_s"]), e["kind"], int(e["rank"])) for e in data)
+    with reading(path):
+        data = json.loads(Path(path).read_text())
+    try:
+        return tuple(Event(float(e["time_s"]), e["kind"], int(e["rank"])) for e in data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}: each event must be {{\"time_s\": t, \"kind\": \"fail\" or "
+                        f"\"repair\", \"rank\": r}} ({type(exc).__name__}: {exc})") from None
 
 
 def save_trace(events: Sequence[Event], path: str | Path) -> None:

@@ -90,16 +90,18 @@ class SwapManager:
     def __init__(self, config: SwapConfig, executor: SwapExecutor, *, budget: BudgetSpec,
                  bandwidth_bps: float, cost: ProfilerCost, rank: int = 0,
                  rule: AdjustRule = AdjustRule(), oom_factor: float = 1.0,
-                 recompute: Callable[[int], None] | None = None) -> None:
+                 recompute: Callable[[int], None] | None = None, speaks: bool = True) -> None:
         """``oom_factor``: the budget factor earlier out-of-memory errors left (a manager
         rebuilt with its model keeps lowering from there); ``recompute``: makes the model
-        recompute the first k transformer layers of each chunk (None: it cannot)."""
+        recompute the first k transformer layers of each chunk (None: it cannot);
+        ``speaks``: whether this rank logs its stage's records (one rank per stage does)."""
         self.config = config
         self.executor = executor
         self.budget = budget
         self.bandwidth_bps = bandwidth_bps
         self.cost = cost
         self.rank = rank
+        self.speaks = speaks
         self.rule = rule
         # The one place that sets the granularity (auto starts per layer, then ``_switch``).
         executor.tracker.granularity = "microbatch" if config.granularity == "microbatch" \
@@ -201,8 +203,8 @@ class SwapManager:
         elif stale:
             self.reprofile = "change"
         if changed:
-            logger.info("swap change %s", {"rank": self.rank, "iteration": iteration,
-                                            "stages": len(changed), "first": changed[0]})
+            self._log(logging.INFO, "swap_change", iteration, stages=len(changed),
+                      first=changed[0])
         if switch is not None:
             self._switch(switch, layers, iteration)
         self.last_metrics = self._metrics(used, full, counters, bool(changed), profiler_s, plan_s)
@@ -231,14 +233,19 @@ class SwapManager:
         self.reference = profile.signature
         if self.executor.tracker.step_granularity == "layer":
             self.layer_reference = profile.signature
-        record = {"rank": self.rank, "iteration": iteration, "reason": self.reprofile,
-                  "version": self.plan_version, "budget_bytes": plan.budget_bytes,
-                  "no_swap_peak_bytes": plan.no_swap_peak_bytes,
-                  "planned_peak_bytes": plan.planned_peak_bytes,
-                  "planned_out_bytes": plan.planned_out_bytes, "tensors": len(plan.decisions),
-                  "expected_stall_s": plan.expected_stall_s, "optimal": plan.optimal}
+        self._log(logging.WARNING if plan.expected_stall_s > 0 else logging.INFO, "swap_plan",
+                  iteration, reason=self.reprofile, version=self.plan_version,
+                  budget_bytes=plan.budget_bytes, no_swap_peak_bytes=plan.no_swap_peak_bytes,
+                  planned_peak_bytes=plan.planned_peak_bytes,
+                  planned_out_bytes=plan.planned_out_bytes, tensors=len(plan.decisions),
+                  expected_stall_s=plan.expected_stall_s, optimal=plan.optimal)
         self.reprofile = "recompute" if recompute else None
-        (logger.warning if plan.expected_stall_s > 0 else logger.info)("swap plan %s", record)
+
+    def _log(self, level: int, event: str, iteration: int, **fields: Any) -> None:
+        """One structured record of this stage (from the rank that speaks for it)."""
+        if self.speaks:
+            logger.log(level, {"event": event, "rank": self.rank, "iteration": iteration,
+                               **fields})
 
     def _achievable(self, budget: int, floor: int) -> int:
         """``budget``, or the least achievable one (``floor``) when it is lower: after an
@@ -249,7 +256,7 @@ class SwapManager:
         return floor
 
     def _warn_floor(self, budget: int, floor: int, iteration: int) -> None:
-        if self.oom_factor == 1.0 and not self._warned_floor:
+        if self.oom_factor == 1.0 and not self._warned_floor and self.speaks:
             self._warned_floor = True
             logger.warning("swap budget %d bytes is below the least achievable %d bytes "
                            "(rank %d, iteration %d): swapping what can be swapped; "
@@ -274,10 +281,9 @@ class SwapManager:
         self.recompute_layers = choice.layers
         # A fraction of the next profile's (smaller) peak would chase it down: keep bytes.
         self.recompute_base = wanted / self.oom_factor
-        logger.info("swap recompute %s", {
-            "rank": self.rank, "iteration": iteration, "layers_per_chunk": choice.layers,
-            "swap_stall_s": plan.expected_stall_s, "budget_met_by_swap": not short,
-            "expected_stall_s": choice.stall_s, "recompute_s": choice.recompute_s})
+        self._log(logging.INFO, "swap_recompute", iteration, layers_per_chunk=choice.layers,
+                  swap_stall_s=plan.expected_stall_s, budget_met_by_swap=not short,
+                  expected_stall_s=choice.stall_s, recompute_s=choice.recompute_s)
         return True
 
     def _adjust(self, layers: StepSignature) -> GranularityDecision | None:
@@ -310,9 +316,8 @@ class SwapManager:
         self.reprofile = "granularity"
         self.observed = []
         self.totals.switches += 1
-        logger.info("swap granularity %s", {
-            "rank": self.rank, "iteration": iteration, "from": before,
-            "to": decision.granularity, "reason": decision.reason,
+        self._log(logging.INFO, "swap_granularity", iteration, **{
+            "from": before, "to": decision.granularity, "reason": decision.reason,
             "hidden_reprofiles": decision.hidden, "steps": decision.steps})
 
     def _on_oom(self, iteration: int) -> None:
@@ -329,10 +334,10 @@ class SwapManager:
         # Without a budget yet (an OOM while profiling the first step under a fractional
         # budget) or already at the least achievable one, a redo would fail the same way.
         self.oom_retry = before is not None and self.guard < before
-        logger.warning("swap oom %s", {"rank": self.rank, "iteration": iteration,
-                                       "budget_before": before,
-                                       "budget_now": self.guard,
-                                       "redo": self.oom_retry})
+        # Every rank that ran out says so: it is this rank's event, not its stage's.
+        logger.warning({"event": "swap_oom", "rank": self.rank, "iteration": iteration,
+                        "budget_before": before, "budget_now": self.guard,
+                        "redo": self.oom_retry})
 
     def _metrics(self, used: tuple[SwapPolicy | None, int, Granularity], full: bool,
                  c: StepCounters, changed: bool, profiler_s: float,

@@ -135,14 +135,18 @@ class SwapPlugin(TrainerPlugin):
                                 min_bytes=first_threshold(cfg, bandwidth), exclude=held)
         self.rank = ctx.rank
         self._stage, self._stages, self._pipeline = ctx.pp_rank, ctx.pp_size, ctx.pipeline_group
+        # One rank per stage logs its records: the others of the stage have the same.
+        speaks = ctx.dp_rank == 0 and ctx.tp_rank == 0
         self.manager = SwapManager(cfg, executor, budget=spec, bandwidth_bps=bandwidth,
                                    cost=measure_profiler_cost(), rank=ctx.rank,
-                                   oom_factor=oom_factor, recompute=block_recompute(ctx.config))
+                                   oom_factor=oom_factor, recompute=block_recompute(ctx.config),
+                                   speaks=speaks)
         # Auto starts per layer, so the seams install the layer hooks it may need later.
         self.seams = SwapSeams(tracker, ctx.model)
         self.seams.install()
-        logger.info("swap ready %s", {"rank": ctx.rank, "pp_rank": ctx.pp_rank,
-                                      "bandwidth_gbps": bandwidth / 1e9, "budget": spec})
+        if speaks:
+            logger.info({"event": "swap_ready", "rank": ctx.rank, "stage": ctx.pp_rank,
+                         "bandwidth_gbps": bandwidth / 1e9, "budget": spec})
 
     def step_context(self, iteration: int, *, training: bool) -> ContextManager[None]:
         if not training or self.manager is None:
@@ -183,7 +187,8 @@ class SwapPlugin(TrainerPlugin):
             self.seams.remove()
             self.seams = None
         if self.manager is not None:
-            logger.info("swap summary (rank %d)\n%s", self.rank,
-                        summary_table([(self.rank, self.manager.totals)]))
+            if self.manager.speaks:
+                logger.info("swap summary (rank %d, stage %d)\n%s", self.rank, self._stage,
+                            summary_table([(self.rank, self.manager.totals)]))
             self.manager.executor.pool.clear()
             self.manager = None

@@ -8,16 +8,21 @@ preset's ``megatron`` section gives the same arguments by dest name; CLI flags o
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 from chameleon_megatron.config import add_chameleon_args, read_yaml
 from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.errors import UserError
+
+TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+"""The values of --tokenizer-type this trainer builds (Megatron-LM has more)."""
 
 # Megatron-LM flags that users commonly pass and that this trainer does not implement.
 UNSUPPORTED_MEGATRON_FLAGS = frozenset({
     "--fp16", "--fp8-format", "--fp8", "--context-parallel-size", "--expert-model-parallel-size",
-    "--expert-tensor-parallel-size", "--tokenizer-type", "--tokenizer-model", "--vocab-file",
-    "--merge-file", "--use-flash-attn", "--use-mcore-models", "--use-legacy-models",
+    "--expert-tensor-parallel-size", "--use-flash-attn", "--use-mcore-models",
+    "--use-legacy-models", "--legacy-tokenizer", "--tokenizer-metadata",
+    "--tokenizer-special-tokens", "--tokenizer-hf-use-fast", "--trust-remote-code",
     "--ckpt-format", "--finetune", "--exit-interval", "--exit-duration-in-mins",
     "--tensorboard-dir", "--wandb-project", "--num-workers", "--dataloader-type",
     "--loss-scale", "--initial-loss-scale", "--decoder-first-pipeline-num-layers",
@@ -42,7 +47,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="position table size (seq-length by default)")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size (mock data; real data takes it from the dataset)")
+                   help="byte tokenizer: its size (257 with --data-path by default); "
+                        "NullTokenizer: ids before its end of document; GPT2BPETokenizer and "
+                        "HuggingFaceTokenizer: from their files")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--position-embedding-type", default="learned_absolute",
@@ -106,10 +113,21 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true", help="synthetic token data")
-    g.add_argument("--data-path", nargs="+", default=None, help="indexed dataset prefix(es)")
+    g.add_argument("--mock-data", action=argparse.BooleanOptionalAction, default=False,
+                   help="synthetic token data (--no-mock-data overrides a preset's)")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed dataset prefix(es), or a blend: W1 PREFIX1 W2 PREFIX2 ...")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
-    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--data-cache-path", default=None,
+                   help="where megatron writes the dataset index caches (next to the data "
+                        "by default)")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="the datasets' tokenizer (a byte tokenizer, vocabulary 257, without "
+                        "it); the model's vocabulary follows it")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: its vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: its merges.txt")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: a local tokenizer directory (needs transformers)")
 
 
 def _io_args(p: argparse.ArgumentParser) -> None:
@@ -124,8 +142,15 @@ def _io_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=0)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is a UserError (one line from the entry), not argparse's usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="chameleon-pretrain-gpt", allow_abbrev=False,
         description="GPT pretraining on megatron-core with Chameleon swap and fault tolerance.",
     )
@@ -144,7 +169,11 @@ def yaml_to_argv(parser: argparse.ArgumentParser, section: Mapping[str, Any]) ->
         if action is None or key.startswith("chameleon"):
             raise ConfigError(f"unknown key megatron.{key}: not a flag of this trainer")
         flag = action.option_strings[0]
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"megatron.{key}={value!r}: must be true or false")
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if not isinstance(value, bool):
                 raise ConfigError(f"megatron.{key}={value!r}: must be true or false")
             # The flag stores the opposite of its default; give it when the value asks for that.
@@ -166,12 +195,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre, _ = parser.parse_known_args(argv)
     preset: dict[str, Any] = read_yaml(pre.chameleon_config) if pre.chameleon_config else {}
-    argv = yaml_to_argv(parser, preset.get("megatron") or {}) + argv
+    section = dict(preset.get("megatron") or {})
+    if "--data-path" in argv:  # real data on the command line replaces a preset's mock data
+        section.pop("mock_data", None)
+    argv = yaml_to_argv(parser, section) + argv
     args, extra = parser.parse_known_args(argv)
     if extra:
         flag = next((x for x in extra if x.startswith("-")), extra[0]).split("=")[0]
         if flag in UNSUPPORTED_MEGATRON_FLAGS:
-            parser.error(f"{flag} is a Megatron-LM flag that this trainer does not support")
-        parser.error(f"unrecognized argument {flag}")
+            raise UserError(f"{flag} is a Megatron-LM flag that this trainer does not support")
+        raise UserError(f"unrecognized argument {flag}")
     args.chameleon_preset = preset
     return args

@@ -1,4 +1,5 @@
-"""Training data through megatron.core.datasets: mock tokens or an indexed GPT dataset.
+"""Training data through megatron.core.datasets: mock tokens, an indexed GPT dataset, or a
+weighted blend of several (``--data-path W1 P1 W2 P2``), split by ``--split``.
 
 Samples are addressed by their global index. The global batch of step k holds samples
 ``[consumed, consumed + global_batch)``; microbatch j of data-parallel rank r holds the
@@ -13,38 +14,22 @@ import argparse
 from dataclasses import dataclass
 from typing import Iterator
 
-import numpy as np
 import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+from chameleon_megatron.training.data_flags import data_blend
+from chameleon_megatron.training.tokenizer import build_tokenizer, checked_vocab
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens plus an end-of-document token (no vocabulary file needed).
-
-    Has what megatron.core.datasets reads of a tokenizer: ``vocab_size``, ``eod`` and
-    ``unique_identifiers`` (part of the dataset cache key).
-    """
-
-    def __init__(self, vocab_size: int = 257) -> None:
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size={vocab_size}: must be >= 2")
-        self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
-        self.unique_identifiers = {"class": type(self).__name__, "vocab_size": vocab_size}
-
-    def tokenize(self, text: str) -> np.ndarray:
-        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-        return ids % (self.vocab_size - 1)
-
-    def detokenize(self, ids: np.ndarray) -> str:
-        return bytes(int(i) for i in ids if i < min(256, self.eod)).decode("utf-8", "replace")
+Dataset = GPTDataset | BlendedDataset
+"""One split: a GPTDataset, or a BlendedDataset of them when --data-path is a blend."""
 
 
 @dataclass(frozen=True)
 class Datasets:
-    train: GPTDataset
-    valid: GPTDataset | None
+    train: Dataset
+    valid: Dataset | None
 
 
 def _split_sizes(args: argparse.Namespace) -> list[int]:
@@ -58,11 +43,11 @@ def _split_sizes(args: argparse.Namespace) -> list[int]:
 
 def build_datasets(args: argparse.Namespace) -> Datasets:
     """Build train/valid GPT datasets on every rank (deterministic, so no broadcast needed)."""
-    tokenizer = ByteTokenizer(args.vocab_size)
+    tokenizer = checked_vocab(build_tokenizer(args), args)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if args.mock_data else (list(args.data_path), None),
+        blend=None if args.mock_data else data_blend(args.data_path),
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
@@ -87,14 +72,14 @@ def microbatch_indices(consumed: int, *, micro: int, dp: int, dp_rank: int,
     ]
 
 
-def _collate(dataset: GPTDataset, indices: list[int], device: torch.device) -> dict:
+def _collate(dataset: Dataset, indices: list[int], device: torch.device) -> dict:
     samples = [dataset[i % len(dataset)] for i in indices]
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
              ("tokens", "labels", "loss_mask", "position_ids")}
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def step_iterator(dataset: GPTDataset, consumed: int, *, micro: int, dp: int, dp_rank: int,
+def step_iterator(dataset: Dataset, consumed: int, *, micro: int, dp: int, dp_rank: int,
                   num_microbatches: int, device: torch.device) -> Iterator[dict]:
     """The microbatches this rank feeds into one forward-backward call."""
     for idx in microbatch_indices(consumed, micro=micro, dp=dp, dp_rank=dp_rank,

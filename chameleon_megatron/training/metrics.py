@@ -1,44 +1,8 @@
-"""The per-iteration metrics file (JSON lines) and the Megatron-style log line."""
+"""The Megatron-style log line of an iteration record (the file: ``metrics_file``)."""
 
 from __future__ import annotations
 
-import json
-import logging
-from pathlib import Path
-from typing import Any, TextIO
-
-logger = logging.getLogger(__name__)
-
-
-class MetricsWriter:
-    """Appends one JSON object per line; a no-op when no path is given (or not rank 0)."""
-
-    def __init__(self, path: str | None, *, enabled: bool = True) -> None:
-        self._file: TextIO | None = None
-        if path and enabled:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record, default=_plain) + "\n")
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
-
-
-def read_metrics(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:
-    """Records of a metrics file, optionally only those of one event type."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in records if event is None or r.get("event") == event]
+from typing import Any
 
 
 def log_line(rec: dict[str, Any], train_iters: int) -> str:

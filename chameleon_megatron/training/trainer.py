@@ -8,15 +8,18 @@ import logging
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
 from chameleon_megatron.megatron import groups
+from chameleon_megatron.metrics_file import MetricsWriter, current_run
 from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
-from chameleon_megatron.training.metrics import MetricsWriter, log_line
+from chameleon_megatron.training.metrics import log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
 from chameleon_megatron.training.plugin import (
     StepAction,
@@ -24,6 +27,7 @@ from chameleon_megatron.training.plugin import (
     TrainerPlugin,
     plugins_step,
 )
+from chameleon_megatron.training.startup import parameters_held, startup_line
 from chameleon_megatron.training.step import (
     Applied,
     StepResult,
@@ -84,6 +88,7 @@ class Trainer:
         if args.load:
             self.load(args.load)
         self._announce_model()
+        self._log_start()
         self.metrics.write({"event": "run", "world_size": self.env.world_size,
                             "args": _jsonable_args(args)})
 
@@ -97,6 +102,15 @@ class Trainer:
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
         configure_schedule(self.config, self.model, self.optimizer, args.overlap_grad_reduce)
+
+    def _log_start(self) -> None:
+        """The start-up line (rank 0), parameters summed over the model-parallel ranks."""
+        first = parallel_state.get_pipeline_model_parallel_rank() == 0
+        held = torch.tensor([parameters_held(self.model, first)], dtype=torch.int64,
+                            device=self.device)
+        dist.all_reduce(held, group=parallel_state.get_model_parallel_group())
+        if self.env.rank == 0:
+            logger.info(startup_line(self.args, self.cfg, int(held), self.env.world_size))
 
     def _announce_model(self) -> None:
         for plugin in self.plugins:
@@ -148,7 +162,9 @@ class Trainer:
         self.hints = dict(hints or {})
         # The first rank may have died: whoever is rank 0 now appends to the metrics file.
         self.metrics.close()
-        self.metrics = MetricsWriter(self.cfg.metrics.file, enabled=rank == 0)
+        path = self.cfg.metrics.file
+        self.metrics = MetricsWriter(path, enabled=rank == 0,
+                                     run_id=current_run(path) if path else None)
         self.env = DistEnv(rank=rank, world_size=world_size, local_rank=self.env.local_rank)
 
     # ----------------------------------------------------------------------------- handle

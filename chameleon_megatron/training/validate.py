@@ -7,11 +7,9 @@ message that names the value and the limit it breaks.
 from __future__ import annotations
 
 import argparse
-import math
 
 from chameleon_megatron.configurable import ConfigError
-
-BYTE_VOCAB_SIZE = 257  # the byte tokenizer of training/data.py: 256 bytes + end-of-document
+from chameleon_megatron.training.data_flags import check_data
 
 
 def _need(cond: bool, message: str) -> None:
@@ -101,15 +99,7 @@ def _check_batch(args: argparse.Namespace) -> None:
 def _check_run(args: argparse.Namespace) -> None:
     _need(args.train_iters is not None and args.train_iters >= 0,
           f"--train-iters={args.train_iters}: required, must be >= 0")
-    _need(args.mock_data != bool(args.data_path),
-          "give exactly one of --mock-data and --data-path")
-    if args.mock_data:
-        _need(args.vocab_size is not None and args.vocab_size > 0,
-              "--mock-data needs --vocab-size > 0")
-    elif args.vocab_size is None:
-        args.vocab_size = BYTE_VOCAB_SIZE
-    args.padded_vocab_size = padded_vocab_size(
-        args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    check_data(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = max(args.train_iters, 1)
     _need(args.lr_warmup_iters < max(args.lr_decay_iters, 1),
@@ -127,12 +117,6 @@ def _check_run(args: argparse.Namespace) -> None:
               "--recompute-granularity full needs --recompute-method uniform|block")
         if args.recompute_num_layers is None:
             args.recompute_num_layers = 1
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Vocabulary padded so each TP rank gets an equal slice (Megatron's rule)."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:

@@ -115,11 +115,12 @@ def main(argv: list[str]) -> int:
 
         guard_worker(400)
     from chameleon_megatron import pretrain_gpt
+    from chameleon_megatron.logs import setup_logging
 
     plugin = dump_plugin(ours.iters, ours.pace_s, oom_at, stall)
     build = pretrain_gpt.build_plugins
     pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
-    pretrain_gpt.setup_logging()
+    setup_logging(int(os.environ.get("RANK", 0)))
     pretrain_gpt.run([*rest, "--train-iters", str(ours.iters)])
     rank = os.environ.get("CHAMELEON_FT_JOIN_ID") or os.environ.get("RANK", "0")
     (ours.dump / f"{rank}.json").write_text(json.dumps(plugin.dump or {"spare": True}))

@@ -180,7 +180,8 @@ def test_auto_leaves_layers_that_churn_and_returns_when_they_settle(caplog):
         [0, 1, 1, 2, 0] + [3] * 37 + [0] + [4] * 3
     assert [s for s, m in enumerate(metrics) if m["sequence_changed"]] == [1, 2, 3]
     _check_plans_hold(metrics)
-    switches = [r.args for r in caplog.records if r.msg == "swap granularity %s"]
+    switches = [r.msg for r in caplog.records
+                if isinstance(r.msg, dict) and r.msg["event"] == "swap_granularity"]
     assert [(r["iteration"], r["from"], r["to"], r["reason"], r["hidden_reprofiles"])
             for r in switches] == [(3, "layer", "microbatch", "per-layer churn", 2),
                                    (41, "microbatch", "layer", "layers steady", 0)]

@@ -66,7 +66,7 @@ def test_batch_rampup_formula():
 
 
 def test_byte_tokenizer_round_trip():
-    from chameleon_megatron.training.data import ByteTokenizer
+    from chameleon_megatron.training.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     ids = tok.tokenize("héllo")
@@ -74,3 +74,50 @@ def test_byte_tokenizer_round_trip():
     assert tok.detokenize(ids) == "héllo"
     with pytest.raises(ValueError, match="vocab_size=1"):
         ByteTokenizer(1)
+
+
+def _indexed(tmp_path, documents=100):
+    from chameleon_megatron.training.indexed_data import build_indexed_dataset
+
+    corpus = tmp_path / "corpus.txt"
+    rng = random.Random(1)
+    corpus.write_text("\n\n".join(" ".join(rng.choice("abcdefgh") for _ in range(40))
+                                  for _ in range(documents)))
+    prefix = tmp_path / "data" / "corpus"
+    build_indexed_dataset(corpus, prefix)
+    return prefix
+
+
+def _datasets(prefix, *flags):
+    from chameleon_megatron.training.arguments import parse_args
+    from chameleon_megatron.training.data import build_datasets
+    from chameleon_megatron.training.validate import validate_args
+
+    args = validate_args(parse_args([
+        "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "32", "--data-path", str(prefix), "--train-iters", "2", *flags]), 1)
+    return build_datasets(args)
+
+
+def test_split_decides_which_documents_validation_sees(tmp_path):
+    prefix = _indexed(tmp_path)
+    everything = _datasets(prefix, "--split", "1,0,0")
+    assert everything.valid is None
+    assert set(everything.train.indices) == set(range(100))
+    split = _datasets(prefix, "--split", "8,1,1", "--eval-interval", "2", "--eval-iters", "1")
+    assert set(split.train.indices) == set(range(80))
+    assert set(split.valid.indices) == set(range(80, 90))
+
+
+def test_data_cache_path_receives_the_index_caches(tmp_path):
+    prefix = _indexed(tmp_path)
+    cache = tmp_path / "cache"
+    _datasets(prefix, "--split", "8,1,1", "--data-cache-path", str(cache))
+    names = {p.name.split("-", 1)[1] for p in cache.iterdir()}  # after the config's hash
+    for part in ("train", "valid"):
+        assert {f"GPTDataset-{part}-{kind}_index.npy"
+                for kind in ("document", "sample", "shuffle")} <= names
+    megatron_default = tmp_path / "data" / "corpus" / "cache" / "GPTDataset_indices"
+    assert not megatron_default.exists()
+    _datasets(prefix, "--split", "8,1,1")  # without the flag: megatron's place, by the data
+    assert any(megatron_default.iterdir())

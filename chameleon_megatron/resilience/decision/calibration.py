@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from scipy.optimize import minimize_scalar
-
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.perf_model import plan_step
 from chameleon_megatron.resilience.decision.profile import Profile
@@ -71,9 +69,15 @@ def calibrate(profile: Profile, observations: Sequence[Observation]) -> Calibrat
 
     lo, hi = min(scales), max(scales)
     factor = lo if hi - lo <= 1e-12 * hi else float(
-        minimize_scalar(loss, bounds=(lo, hi), method="bounded", options={"xatol": 1e-9 * hi}).x)
+        _minimize_scalar()(loss, bounds=(lo, hi), method="bounded", options={"xatol": 1e-9 * hi}).x)
     rows = []
     for o in observations:
         est = _estimate(profile, o, factor)
         rows.append((o.label, o.measured_s, est, (est - o.measured_s) / o.measured_s))
     return Calibration(profile=profile.with_times_scaled(factor), factor=factor, rows=tuple(rows))
+
+
+def _minimize_scalar():
+    from scipy.optimize import minimize_scalar  # heavy: imported when needed
+
+    return minimize_scalar

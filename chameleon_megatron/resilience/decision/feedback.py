@@ -12,7 +12,6 @@ profile on ``observations()`` (``live_profile``). Each layout yields one
 
 from __future__ import annotations
 
-import logging
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +19,6 @@ from typing import Any
 from chameleon_megatron.resilience.decision.calibration import Observation
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,9 +61,7 @@ class Feedback:
         current.times.append(seconds)
         if len(current.times) != self.warmup + self.window:
             return None
-        rec = self._record(current)
-        logger.info(rec)
-        return rec
+        return self._record(current)
 
     def _record(self, layout: _Layout) -> dict[str, Any]:
         measured = self._measured(layout)

@@ -9,12 +9,12 @@ step time of each layout (the first ``skip`` steps of each layout are warm-up).
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chameleon_megatron.metrics_file import read_metrics
 from chameleon_megatron.resilience.decision.calibration import Calibration, Observation, calibrate
 from chameleon_megatron.resilience.decision.layout import UniformLayout
 from chameleon_megatron.resilience.decision.model_shape import SHAPE_KEYS, ModelShape
@@ -29,16 +29,11 @@ class MetricsRun:
     """(tp, pp, vpp, dp) -> step times in file order."""
 
 
-def read_metrics(path: str | Path) -> MetricsRun:
+def read_run(path: str | Path, run: int | None = None) -> MetricsRun:
+    """The trainer's args and the step times per layout of one run (None: the last)."""
     args: dict[str, Any] | None = None
     times: dict[tuple[int, int, int, int], list[float]] = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc})") from None
+    for rec in read_metrics(path, run=run):
         if rec.get("event") == "run" and args is None:
             args = dict(rec.get("args") or {})
         elif rec.get("event") == "iteration" and "step_time_s" in rec:
@@ -55,13 +50,13 @@ def read_metrics(path: str | Path) -> MetricsRun:
     return MetricsRun(args=args, step_times=times)
 
 
-def profile_from_metrics(path: str | Path, hardware: Hardware, *, name: str,
-                         skip: int = 2) -> tuple[Profile, Calibration, dict[str, Any]]:
+def profile_from_metrics(path: str | Path, hardware: Hardware, *, name: str, skip: int = 2,
+                         run: int | None = None) -> tuple[Profile, Calibration, dict[str, Any]]:
     """(calibrated profile, calibration report, model args kept for provenance)."""
     if skip < 0:
         raise ValueError(f"skip={skip}: must be >= 0")
-    run = read_metrics(path)
-    shape = ModelShape.from_args(run.args)
+    measured = read_run(path, run)
+    shape = ModelShape.from_args(measured.args)
     base = profile_from_shape(
         shape, hardware, seconds_per_flop=1e-12, name=name,
         source=f"chameleon profile {Path(path).name}: bytes from the model shape; per-layer "
@@ -69,7 +64,7 @@ def profile_from_metrics(path: str | Path, hardware: Hardware, *, name: str,
                "the step model (Eq. 9/11 with communication terms)",
     )
     obs = []
-    for (tp, pp, vpp, dp), steps in sorted(run.step_times.items()):
+    for (tp, pp, vpp, dp), steps in sorted(measured.step_times.items()):
         kept = steps[skip:]
         if tp != shape.tp or not kept:
             continue  # times are per rank at the run's TP degree
@@ -80,5 +75,5 @@ def profile_from_metrics(path: str | Path, hardware: Hardware, *, name: str,
     if not obs:
         raise ValueError(f"{path}: no layout with tp={shape.tp} has steps left after skip={skip}")
     cal = calibrate(base, obs)
-    model = {k: run.args[k] for k in SHAPE_KEYS if k in run.args}
+    model = {k: measured.args[k] for k in SHAPE_KEYS if k in measured.args}
     return cal.profile, cal, model

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from chameleon_megatron.errors import reading
+
 FORMAT = "chameleon-profile/1"
 
 
@@ -184,10 +186,8 @@ def profile_to_dict(profile: Profile, model: Mapping[str, Any] | None = None) ->
 
 
 def load_profile(path: str | Path) -> Profile:
-    try:
+    with reading(path):
         data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
     try:
         return profile_from_dict(data)
     except ValueError as exc:

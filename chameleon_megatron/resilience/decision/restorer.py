@@ -16,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
-import networkx as nx
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from chameleon_megatron.resilience.decision.layout import (
     EMBEDDING,
@@ -147,6 +145,8 @@ def assign_slots(shape: Sequence[PipelineShape], units: Sequence[tuple[int, ...]
         need[col, index[EMBEDDING]] |= s == 0
         need[col, index[OUTPUT]] |= s == shape[j].depth - 1
     cost = (need @ weight)[None, :] - (held * weight) @ need.T
+    from scipy.optimize import linear_sum_assignment  # heavy: imported when needed
+
     rows, cols = linear_sum_assignment(cost)
     owner = {slots[c]: units[r] for r, c in zip(rows, cols)}
     pipes = tuple(
@@ -218,6 +218,8 @@ def _groups_and_rounds(plan: Plan, profile: Profile) -> tuple[tuple[AllReduceGro
         if len(owners) > 1:
             merged.setdefault(tuple(owners), []).append(u)
     keys = list(merged)
+    import networkx as nx  # heavy: imported when needed
+
     graph = nx.Graph()
     graph.add_nodes_from(range(len(keys)))
     by_stage: dict[int, list[int]] = {}

@@ -29,7 +29,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.nodes import NodeWatch, read_launch, register_joined_node
 from chameleon_megatron.resilience.launch.worker_pool import WorkerPool, WorkerSlot
-from chameleon_megatron.resilience.store.job_store import AGENT_ENV, JobStore
+from chameleon_megatron.resilience.store.env import AGENT_ENV
+from chameleon_megatron.resilience.store.job_store import JobStore
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,10 @@ from typing import IO, Callable
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.nodes import NodeWatch
 from chameleon_megatron.resilience.store.announce import FailureRecord, announce
+from chameleon_megatron.resilience.store.env import JOIN_ENV
 from chameleon_megatron.resilience.store.heartbeat import overdue, read_beats
 from chameleon_megatron.resilience.store.job_store import JobStore
-from chameleon_megatron.resilience.store.joiners import JOIN_ENV, allocate_join_id
+from chameleon_megatron.resilience.store.joiners import allocate_join_id
 
 logger = logging.getLogger(__name__)
 

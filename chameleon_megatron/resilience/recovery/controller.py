@@ -264,6 +264,8 @@ class RecoveryController:
         record, self._feedback_record = self._feedback_record, None
         if record is not None:
             trainer.emit(record)
+            if trainer.rank == 0:  # every rank has the same record
+                logger.info(record)
         replan = record is not None and self.reroute is not None and trainer.rank == 0 \
             and self._replan_now_wins(trainer)
         flags = torch.tensor([self.joiners.waiting(), int(replan)], dtype=torch.int64,

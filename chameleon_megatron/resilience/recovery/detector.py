@@ -12,6 +12,7 @@ once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import statistics
 import threading
@@ -128,6 +129,7 @@ class FailureDetector:
     def __init__(self, job: JobStore, rank: int, ft: ResilienceConfig) -> None:
         self._job = job
         self._ft = ft
+        self._rank = rank
         self._heartbeat = Heartbeat(job, rank)
         self._timer = StepTimer(ft.timing_steps)
         self.timeouts = derive_timeouts(None, ft)
@@ -155,8 +157,10 @@ class FailureDetector:
         if had is None and self._timer.step_time is not None:
             self.timeouts = derive_timeouts(self._timer.step_time, self._ft)
             n = groups.set_timeouts(self.timeouts.pg_s)
-            logger.info("step time %.3f s: timeouts %s applied to %d groups",
-                        self._timer.step_time, self.timeouts, n)
+            # Each rank derives its own; rank 0's stands for the job in the log.
+            logger.log(logging.INFO if self._rank == 0 else logging.DEBUG, {
+                "event": "timeouts", "rank": self._rank, "step_time_s": self._timer.step_time,
+                **dataclasses.asdict(self.timeouts), "groups": n})
         self.beat(iteration)
 
     def new_layout(self) -> None:

@@ -39,7 +39,8 @@ from chameleon_megatron.resilience.recovery.detector import (
 from chameleon_megatron.resilience.recovery.fault_hooks import install_fault_hooks
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import check_profile
-from chameleon_megatron.resilience.store.job_store import RELAUNCH_ENV, JobStore
+from chameleon_megatron.resilience.store.env import RELAUNCH_ENV
+from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import join_id_from_env
 from chameleon_megatron.training.plugin import (
     StepAction,

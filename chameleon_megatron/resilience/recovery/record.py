@@ -73,8 +73,10 @@ def summary(record: dict[str, Any]) -> str:
             "join": f"grew the job with ranks {record['joined']}",
             "replan": "left rerouting for a re-planned layout"}.get(
                 cause, f"every rank redid a step abandoned for {cause}")
+    layout = record["layout_after"]
+    where = layout.get("plan", layout) if isinstance(layout, dict) else layout
     return (f"{what} "
-            f"(generation {record['generation']}): layout {record['layout_after']}, "
+            f"(generation {record['generation']}): layout {where}, "
             f"spares {record['spares']}, redo iteration {record['redo_iteration']}; "
             f"detect {p['detect']:.2f} s, decide {p['decide']:.2f} s, "
             f"regroup {p['regroup']:.2f} s, migrate {p['migrate']:.2f} s, "

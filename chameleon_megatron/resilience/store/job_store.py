@@ -13,10 +13,7 @@ import os
 
 import torch.distributed as dist
 
-AGENT_ENV = "CHAMELEON_FT_AGENT"
-"""Set (to "1") in the environment of workers started by the chameleon-run agent."""
-RELAUNCH_ENV = "CHAMELEON_FT_RELAUNCH"
-"""Set in the workers of a job relaunched after the store was lost: how many times so far."""
+from chameleon_megatron.resilience.store.env import AGENT_ENV
 
 
 class JobStore:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import os
 
+from chameleon_megatron.resilience.store.env import JOIN_ENV
 from chameleon_megatron.resilience.store.job_store import JobStore
-
-JOIN_ENV = "CHAMELEON_FT_JOIN_ID"
-"""Set in a restarted worker's environment to its launch-rank id."""
 
 _COUNTER = "join/next"
 

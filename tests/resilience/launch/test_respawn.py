@@ -15,8 +15,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rt_support import run_launcher  # noqa: E402
 
+from chameleon_megatron.resilience.store.env import JOIN_ENV
 from chameleon_megatron.resilience.store.job_store import JobStore
-from chameleon_megatron.resilience.store.joiners import JOIN_ENV, allocate_join_id, join_id_from_env
+from chameleon_megatron.resilience.store.joiners import allocate_join_id, join_id_from_env
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -132,5 +132,5 @@ def test_the_surviving_node_resumes_from_the_checkpoint_when_node_0_is_lost(
     assert start >= 4 and resume["world_size"] == 2
     seen = assert_losses_match(recs, ref_losses)  # before and after the loss alike
     assert seen[-(ITERS - start):] == list(range(start + 1, ITERS + 1)), (seen, log[-4000:])
-    assert "'event': 'relaunch'" in log
+    assert '"event": "relaunch"' in log
     assert_same_state(combine([ref_dump]), combine([dumps[0], dumps[1]]), iters=ITERS)

@@ -213,4 +213,4 @@ def test_long_mtbf_re_plans_and_a_new_node_joins(rejoin_reference, tmp_path: Pat
     recs, dumps, log = outcome(tmp_path)
     assert_grown_back(recs, dumps, ref_losses, log + (tmp_path / "log1").read_text())
     # the node registered after the launch's one agent
-    assert "'event': 'node_join', 'group_rank': 1" in (tmp_path / "log1").read_text()
+    assert '"event": "node_join", "group_rank": 1' in (tmp_path / "log1").read_text()

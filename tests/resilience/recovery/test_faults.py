@@ -44,11 +44,12 @@ def test_parse_errors_name_the_problem(text: str, message: str) -> None:
 
 def test_the_flag_is_repeatable_and_checked_when_the_config_is_built() -> None:
     parser = add_chameleon_args(argparse.ArgumentParser())
-    ns = parser.parse_args(["--chameleon-inject-fault", "rank=1,iteration=2,phase=forward,kind=exit",
+    ns = parser.parse_args(["--chameleon-ft",
+                            "--chameleon-inject-fault", "rank=1,iteration=2,phase=forward,kind=exit",
                             "--chameleon-inject-fault", "rank=0,iteration=5,phase=backward,kind=hang"])
     assert len(config_from_args(ns).ft.inject_fault) == 2
     with pytest.raises(ConfigError, match="ft.inject_fault='rank=1'"):
-        build_config({"ft": {"inject_fault": ["rank=1"]}})
+        build_config({"ft": {"enabled": True, "inject_fault": ["rank=1"]}})
 
 
 def test_injector_fires_only_its_own_rank_once_at_the_planned_step_and_phase() -> None:
