@@ -56,12 +56,14 @@ def fail(prog: str, message: str) -> SystemExit:
 
 
 @contextlib.contextmanager
-def user_errors(prog: str, *, speak: bool = True) -> Iterator[None]:
+def user_errors(prog: str, *, speak: bool = True,
+                only: tuple[type[BaseException], ...] = (Exception,)) -> Iterator[None]:
     """A user's mistake raised inside ends the process: ``<prog>: error: <line>``, exit 2.
-    ``speak``: whether this process prints it (one rank of many that fail alike)."""
+    ``speak``: whether this process prints it (one rank of many that fail alike); ``only``:
+    the exceptions that can be one (where others would be bugs)."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - anything else is a bug and keeps its traceback
+    except only as exc:
         message = user_error(exc)
         if message is None:
             raise

@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from chameleon_megatron.config import ChameleonConfig, config_from_args
+from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import user_errors
 from chameleon_megatron.logs import setup_logging
 from chameleon_megatron.preflight import preflight
@@ -60,7 +61,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     trainer = Trainer(args, cfg, build_plugins(cfg), env)
     try:
-        trainer.setup(join=joining(cfg))
+        # A checkpoint that does not fit the model is the user's to fix (every rank sees it).
+        with user_errors(PROG, speak=env.rank == 0, only=(ConfigError,)):
+            trainer.setup(join=joining(cfg))
         return trainer.train()
     finally:
         trainer.close()

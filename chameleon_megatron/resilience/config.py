@@ -25,7 +25,7 @@ class ResilienceConfig:
     inject_fault: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"flag": "--chameleon-inject-fault"}
     )
-    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception|oom'."""
+    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|optimizer|recovery|eval|save,kind=exit|hang|exception|oom', or kind=slow,seconds=S."""
     startup_timeout_s: float = 300.0
     """Process-group and heartbeat timeout until a step time has been measured (start-up, model build, checkpoint I/O)."""
     pg_timeout_factor: float = 5.0
@@ -36,6 +36,9 @@ class ResilienceConfig:
     """Steps measured (after the first, which is warm-up) before timeouts are derived from the step time."""
     node_timeout_s: float = 30.0
     """An agent (node) silent this long in the job store is declared lost with all its ranks."""
+    recovery_retries: int = 5
+    """Attempts of one recovery that may fail with no rank failing (a slow peer) before the
+    job gives up; each retry waits twice as long."""
     feedback_steps: int = 5
     """Steps measured after each recovery (after one warm-up step) whose median is compared
     with the decision center's estimate and recalibrates it; a rerouting job then asks it
@@ -58,6 +61,8 @@ class ResilienceConfig:
         check(self.min_pg_timeout_s > 0, "ft.min_pg_timeout_s", self.min_pg_timeout_s,
               "must be > 0")
         check(self.timing_steps >= 1, "ft.timing_steps", self.timing_steps, "must be >= 1")
+        check(self.recovery_retries >= 0, "ft.recovery_retries", self.recovery_retries,
+              "must be >= 0")
         check(self.feedback_steps >= 1, "ft.feedback_steps", self.feedback_steps, "must be >= 1")
         check(self.node_timeout_s > 0, "ft.node_timeout_s", self.node_timeout_s, "must be > 0")
         check(self.respawns >= 0, "ft.respawns", self.respawns, "must be >= 0")

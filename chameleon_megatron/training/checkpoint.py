@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from chameleon_megatron.training.checkpoint_shapes import check_shapes
 from chameleon_megatron.training.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -108,14 +109,17 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(tracker.read_text().strip())
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
+def load_checkpoint(root: str, model, optimizer, scheduler, args, *, load_optim: bool = True,
                     load_rng: bool = True) -> Resumed | None:
-    """Load the latest checkpoint under ``root`` into the current layout (None: none there)."""
+    """Load the latest checkpoint under ``root`` into the current layout (None: none there);
+    ConfigError when its model has other global shapes (``checkpoint_shapes``)."""
     iteration = latest_iteration(root)
     if iteration is None:
         logger.warning("no checkpoint found under %s: starting from scratch", root)
         return None
     path = str(iteration_dir(root, iteration))
+    check_shapes(dist_checkpointing.load_tensors_metadata(path), _model_state(model), args,
+                 root)
     common = dist_checkpointing.load_common_state_dict(path)
     same_layout = common.get("layout") == _layout()
     restore_rng = load_rng and same_layout

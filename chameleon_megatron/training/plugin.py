@@ -139,6 +139,9 @@ class TrainerPlugin:
         here (an exception is handled like a failed step). "stop": leave the loop."""
         return None
 
+    def on_checkpoint(self, iteration: int) -> None:
+        """Every rank is about to write the checkpoint of step ``iteration`` (collective)."""
+
     def metrics(self) -> dict[str, Any]:
         """Fields merged into this iteration's metrics record (e.g. ``{"swap": {...}}``)."""
         return {}

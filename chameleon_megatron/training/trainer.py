@@ -6,7 +6,7 @@ import argparse
 import copy
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -120,7 +120,7 @@ class Trainer:
         """Load the latest checkpoint under ``path``; False when there is none."""
         a = self.args
         resumed = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                                             load_optim=not a.no_load_optim,
+                                             a, load_optim=not a.no_load_optim,
                                              load_rng=not a.no_load_rng)
         if resumed is None:
             return False
@@ -317,12 +317,13 @@ class Trainer:
                 break
             if action == "redo":
                 continue
-            self._after_iteration(action)
+            follow = self._after_iteration(action)
+            if follow == "stop":
+                break
+            if follow == "redo":
+                continue
             if self._guarded(self._between_steps) == "stop":
                 break
-        a = self.args
-        if a.save and (not a.save_interval or self.iteration % a.save_interval):
-            self.save()
         return self.history
 
     def _guarded(self, work: Any) -> Any:
@@ -340,18 +341,41 @@ class Trainer:
         actions = [plugin.between_steps(self) for plugin in self.plugins]
         return "stop" if "stop" in actions else None
 
-    def _after_iteration(self, rec: dict[str, Any]) -> None:
+    def _after_iteration(self, rec: dict[str, Any]) -> StepAction | None:
+        """The step's record, then its evaluation and checkpoint when due; "stop" or "redo"
+        when a failure during those ended them (see ``_until_done``)."""
         a = self.args
         self.emit(rec)
         if self.env.rank == 0 and (self.iteration % a.log_interval == 0
                                    or self.iteration == a.train_iters):
             logger.info(log_line(rec, a.train_iters))
         if a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0:
-            self.emit(self.evaluate())
-        if a.save and a.save_interval and self.iteration % a.save_interval == 0:
-            self.save()
+            action = self._until_done(lambda: self.emit(self.evaluate()))
+            if action is not None:
+                return action
+        if a.save and (self.iteration == a.train_iters
+                       or (a.save_interval and self.iteration % a.save_interval == 0)):
+            return self._until_done(self.save)
+        return None
+
+    def _until_done(self, work: Callable[[], None]) -> StepAction | None:
+        """Collective work between steps (an evaluation, a checkpoint), redone in the new
+        layout when a peer fails during it and the plugins recover. "stop": this rank left
+        (a spare at the job's end); "redo": the recovery went back to an earlier step (a
+        checkpoint fallback), which the loop runs again."""
+        iteration = self.iteration
+        while True:
+            action = self._guarded(work)
+            if action is None:
+                return None
+            if action == "stop" or self.iteration != iteration:
+                return action
+            if self.env.rank == 0:
+                logger.info("the work after step %d is redone in the new layout", iteration)
 
     def save(self) -> None:
+        for plugin in self.plugins:
+            plugin.on_checkpoint(self.iteration)
         if self.engine is not None:
             # dist_checkpointing shards by megatron's parallel state; a plan has none. The
             # last checkpoint stays the fallback until the job is back on a megatron layout.

@@ -50,3 +50,35 @@ def test_resume_is_exact_and_reshards(tmp_path):
     # be close to the straight run's (which had dropout) and far below the initial loss.
     assert abs(its4[0]["loss"] - straight[3]) < 0.05 * straight[3]
     assert its4[0]["loss"] < straight[0] - 0.1
+
+
+def test_a_checkpoint_of_another_padded_vocabulary_is_refused_or_matched(tmp_path):
+    """128 tokens padded to multiples of 128: 128 rows at TP1, 256 at TP2. A TP1
+    checkpoint is refused by TP2 with both shapes and the flag that makes them agree
+    (one line, before training); with that flag the loss continues exactly."""
+    import sys
+
+    from dist_utils import run_command
+
+    vocab = ["--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--lr-decay-iters", "3", "--lr-warmup-iters", "1"]
+    straight = losses(run_trainer(1, TINY + vocab + ["--train-iters", "3", "--save",
+                                                     str(tmp_path / "saved"), "--save-interval",
+                                                     "2"], tmp_path, name="straight"))
+    ckpt = checkpoint_of(tmp_path / "saved", 2, tmp_path / "ckpt")
+    tp2 = ["--tensor-model-parallel-size", "2", "--train-iters", "3", "--load", str(ckpt)]
+    out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", "2", "-m", "chameleon_megatron.pretrain_gpt",
+                       *TINY, *vocab, *tp2], timeout=200, check=False)
+    errors = [line for line in out.splitlines() if ": error: " in line]
+    assert errors == [
+        f"chameleon-pretrain-gpt: error: --load {ckpt}: embedding.word_embeddings.weight has "
+        "shape [128, 64] in the checkpoint but [256, 64] in this model; the padded "
+        "vocabulary differs: this run pads 128 tokens to a multiple of "
+        "--make-vocab-size-divisible-by 128 x --tensor-model-parallel-size 2 = 256 rows; "
+        "--make-vocab-size-divisible-by 64 pads it to 128 rows at TP 2, as the checkpoint "
+        "has"], out[-3000:]
+    assert " iteration " not in out
+    fitted = run_trainer(2, TINY + vocab + tp2 + ["--make-vocab-size-divisible-by", "64"],
+                         tmp_path, name="fitted")
+    assert abs(losses(fitted)[0] - straight[2]) < 1e-5 * straight[2]

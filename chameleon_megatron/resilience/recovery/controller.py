@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import (
@@ -56,8 +57,9 @@ from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
     Timeouts,
-    is_communication_error,
     is_timeout,
+    widened,
+    windows,
 )
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import hardware_for, runtime_profile
@@ -65,17 +67,17 @@ from chameleon_megatron.resilience.recovery.record import PhaseClock, recovery_r
 from chameleon_megatron.resilience.recovery.regroup import (
     DeclaredFailed,
     Membership,
-    RegroupError,
     agree_membership,
     join_world,
     recovery_group,
     wait_as_spare,
 )
 from chameleon_megatron.resilience.recovery.run_state import Agreed, RunState
-from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
+from chameleon_megatron.resilience.recovery.transfer import migrate
 from chameleon_megatron.resilience.store.announce import (
     AbandonRecord,
     announce_abandon,
+    failed_ranks,
     failure_count,
     read_failures,
 )
@@ -88,8 +90,9 @@ logger = logging.getLogger(__name__)
 
 
 SLOW_PEER_WAIT_S = 2.0
-"""After a timed-out operation: how long to wait for an announcement that explains it before
-taking it for slowness (an abandoned step)."""
+"""After a timed-out operation or a failed recovery attempt: how long to wait for an
+announcement that explains it before taking it for slowness (the step is abandoned, the
+attempt retried)."""
 
 
 class RecoveryFailed(RuntimeError):
@@ -160,6 +163,8 @@ class RecoveryController:
         self.started_at = time.time()
         self.estimated_step_s: float | None = None
         self.last_regroup_s: float | None = None
+        self.longest_recovery_s = 0.0
+        """The longest recovery so far (its waits' scale on this machine)."""
         self.interrupt = functools.partial(groups.interrupt, backend, job.port)
         """Makes an operation blocked in the current world return (peers' too)."""
         self.watcher = AbortWatcher(job, abort=self.interrupt)
@@ -213,6 +218,13 @@ class RecoveryController:
             logger.warning("communication error with nothing announced within %.1f s (%s): "
                            "every rank abandons the step", wait_s, exc)
             return self.abandon(trainer, "timeout")
+        if self._speaks():
+            logger.warning({
+                "event": "failure_seen", "iteration": trainer.iteration + 1,
+                "failed": [{"rank": f.rank, "reason": f.reason} for f in events.failures],
+                "abandoned": [{"rank": a.rank, "reason": a.reason} for a in events.abandons],
+                "next": f"survivors regroup under generation {self.generation + 1} and "
+                        f"resume after step {trainer.iteration}"})
         return self._leave_step(trainer, events.cause, abandoned, timeouts)
 
     def abandon(self, trainer: TrainerHandle, reason: str) -> StepAction:
@@ -266,13 +278,19 @@ class RecoveryController:
             trainer.emit(record)
             if trainer.rank == 0:  # every rank has the same record
                 logger.info(record)
-        replan = record is not None and self.reroute is not None and trainer.rank == 0 \
+        # Rank 0 decides for the world: the queue changes while the ranks read it.
+        lead = trainer.rank == 0
+        replan = lead and record is not None and self.reroute is not None \
             and self._replan_now_wins(trainer)
-        flags = torch.tensor([self.joiners.waiting(), int(replan)], dtype=torch.int64,
+        invited = self.joiners.take(self.joiners.waiting()) if lead else ()
+        if invited:
+            self.joiners.offer(self.generation, invited)
+        flags = torch.tensor([int(bool(invited)), int(replan)], dtype=torch.int64,
                              device=reduction_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        waiting, replan = int(flags[0]), bool(flags[1])
-        invited = self.joiners.take(waiting)
+        replan = bool(flags[1])
+        if flags[0] and not lead:
+            invited = self.joiners.offered(self.generation)
         if not invited and not replan:
             return None
         cause = "join" if invited else "replan"
@@ -331,11 +349,15 @@ class RecoveryController:
         """Recover under successive generations until one succeeds; True when this rank is
         active in the new layout, False when it is a spare."""
         clock: PhaseClock | None = None
+        timeouts = windows(timeouts, self.longest_recovery_s)
+        retries = 0
         while True:
             self.generation += 1
-            self.watcher.acknowledge()  # the new generation's groups: only later events
+            # the new generation's groups: only later events, or this attempt's retry
+            self.watcher.acknowledge(_retry_key(self.generation))
             before = failure_count(self.job)
             try:
+                self._say_wait("join", timeouts.rendezvous_s)
                 membership = agree_membership(self.job, self.generation, self.me, self.members,
                                               timeout_s=timeouts.rendezvous_s,
                                               on_wait=self._keepalive)
@@ -344,15 +366,23 @@ class RecoveryController:
                     clock.mark("detect", abandoned)
                 self.members = membership.members
                 return self._attempt(trainer, held, timeouts, membership, clock)
-            except (DeclaredFailed, RecoveryFailed):
+            except (DeclaredFailed, RecoveryFailed, dist.DistNetworkError):
                 raise
-            except RuntimeError as exc:
-                retry = isinstance(exc, (RegroupError, MigrationError)) or \
-                    is_communication_error(exc)
-                if not retry or not self._new_failure_since(before, timeouts.rendezvous_s):
-                    raise
-                logger.warning("recovery under generation %d failed (%s): retrying with the "
-                               "state held at the failure", self.generation, exc)
+            except Exception as exc:  # noqa: BLE001 - any failed attempt is retried (bounded)
+                # Every member still in this attempt leaves it, and all meet again under the
+                # next generation with longer windows (a slow peer is not a failed one).
+                self.job.store.set(_retry_key(self.generation), str(self.me))
+                if not self._new_failure_since(before, SLOW_PEER_WAIT_S):
+                    retries += 1
+                    if retries > self.ft.recovery_retries:
+                        raise RecoveryFailed(f"generation {self.generation}: recovery failed "
+                                             f"{retries} times with no rank failing "
+                                             f"(last: {exc})") from exc
+                self.detector.wait_for_events(0.0)  # what interrupted the attempt: handled
+                timeouts = widened(timeouts)
+                logger.warning({"event": "recovery_retry", "rank": self.me,
+                                "failed_generation": self.generation, "error": str(exc),
+                                "next_window_s": timeouts.rendezvous_s})
 
     def _failed_at(self, membership: Membership, abandoned: float) -> float:
         new = membership.failed - self.known_failed
@@ -360,8 +390,9 @@ class RecoveryController:
         return min(times, default=abandoned)
 
     def _new_failure_since(self, count: int, timeout_s: float) -> bool:
-        """Whether a failure beyond the first ``count`` is (or gets) announced: an attempt
-        that failed without one has no reason to succeed when retried."""
+        """Whether a failure beyond the first ``count`` is (or gets, within ``timeout_s``)
+        announced: what made the attempt fail. Waiting for it keeps its announcement out
+        of the next attempt (which it would interrupt)."""
         deadline = time.monotonic() + timeout_s
         while failure_count(self.job) <= count:
             if time.monotonic() > deadline:
@@ -369,6 +400,20 @@ class RecoveryController:
             self._keepalive()
             time.sleep(0.05)
         return True
+
+    def _alive(self) -> list[int]:
+        return sorted(set(self.members) - failed_ranks(self.job))
+
+    def _speaks(self) -> bool:
+        """Whether this rank logs the job's recovery records: the lowest member alive."""
+        return self.me == min(self._alive(), default=self.me)
+
+    def _say_wait(self, what: str, seconds: float) -> None:
+        """Log a recovery wait's deadline, once for the job."""
+        if self._speaks():
+            logger.info({"event": "recovery_wait", "generation": self.generation,
+                         "waiting_for": what, "members": self._alive(),
+                         "deadline_s": round(seconds, 3)})
 
     def _attempt(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
                  membership: Membership, clock: PhaseClock) -> bool:
@@ -473,7 +518,11 @@ class RecoveryController:
 
     def _load_checkpoint(self, trainer: TrainerHandle) -> None:
         path = trainer.args.save or trainer.args.load
-        if not path or not trainer.load(path):
+        try:
+            loaded = bool(path) and trainer.load(path)
+        except ConfigError as exc:  # a checkpoint of another model: no retry changes that
+            raise RecoveryFailed(f"the checkpoint fallback cannot load: {exc}") from None
+        if not loaded:
             raise RecoveryFailed(f"some state has no surviving copy and there is no checkpoint "
                                  f"to fall back to (--save/--load: {path!r})")
         if trainer.rank == 0:
@@ -491,6 +540,7 @@ class RecoveryController:
         self.watcher.acknowledge()
         phases = clock.phases()
         self.last_regroup_s = phases["regroup"]
+        self.longest_recovery_s = max(self.longest_recovery_s, phases["total"])
         if decision.estimated_step_s:
             self.feedback.start(f"generation {membership.generation}", decision.plan,
                                 decision.estimated_step_s, decision.reroute)
@@ -503,11 +553,17 @@ class RecoveryController:
             generation=membership.generation, failures=failures, decision=dict(decision.record),
             phases=phases, layout_after=_layout_after(decision), spares=decision.spares,
             redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
-            fallback=decision.fallback, cause=self._cause,
+            fallback=decision.fallback,
+            cause="failure" if failures and self._cause not in ("join", "replan") else self._cause,
             joined=set(self._invited) & set(membership.members))
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
+
+
+def _retry_key(generation: int) -> str:
+    """Set by a member whose attempt under ``generation`` failed (``AbortWatcher``)."""
+    return f"gen/{generation}/retry"
 
 
 def _layout_after(decision: RecoveryDecision) -> dict[str, Any]:

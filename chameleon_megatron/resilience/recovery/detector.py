@@ -67,6 +67,22 @@ def derive_timeouts(step_time_s: float | None, ft: ResilienceConfig) -> Timeouts
     return Timeouts(pg_s=pg, heartbeat_s=2 * pg, rendezvous_s=4 * pg)
 
 
+RECOVERY_MARGIN = 3.0
+"""A recovery's waits last at least this many times the longest recovery measured so far:
+a machine slow enough to take that long once will again."""
+
+
+def windows(timeouts: Timeouts, longest_recovery_s: float) -> Timeouts:
+    """The recovery waits for the step-time-derived ``timeouts`` and the recoveries seen."""
+    rendezvous = max(timeouts.rendezvous_s, RECOVERY_MARGIN * longest_recovery_s)
+    return dataclasses.replace(timeouts, rendezvous_s=rendezvous)
+
+
+def widened(timeouts: Timeouts) -> Timeouts:
+    """The waits of a retried recovery: twice as long (its last attempt was too short)."""
+    return dataclasses.replace(timeouts, rendezvous_s=2 * timeouts.rendezvous_s)
+
+
 class StepTimer:
     """Step times of the current layout: the first is warm-up; after ``steps`` more, the
     step time is their maximum (a conservative base for timeouts). The median of the last
@@ -133,6 +149,7 @@ class FailureDetector:
         self._heartbeat = Heartbeat(job, rank)
         self._timer = StepTimer(ft.timing_steps)
         self.timeouts = derive_timeouts(None, ft)
+        self._log_timeouts(None, None)
         self.seen = 0
         """Failure announcements already handled."""
         self.seen_abandons = 0
@@ -157,11 +174,16 @@ class FailureDetector:
         if had is None and self._timer.step_time is not None:
             self.timeouts = derive_timeouts(self._timer.step_time, self._ft)
             n = groups.set_timeouts(self.timeouts.pg_s)
-            # Each rank derives its own; rank 0's stands for the job in the log.
-            logger.log(logging.INFO if self._rank == 0 else logging.DEBUG, {
-                "event": "timeouts", "rank": self._rank, "step_time_s": self._timer.step_time,
-                **dataclasses.asdict(self.timeouts), "groups": n})
+            self._log_timeouts(self._timer.step_time, n)
         self.beat(iteration)
+
+    def _log_timeouts(self, step_time_s: float | None, groups_set: int | None) -> None:
+        """The deadlines in force (a hang is found after ``heartbeat_s``): at start with the
+        start-up timeout, then derived from the step time. Each rank derives its own; rank
+        0's stands for the job in the log."""
+        logger.log(logging.INFO if self._rank == 0 else logging.DEBUG, {
+            "event": "timeouts", "rank": self._rank, "step_time_s": step_time_s,
+            **dataclasses.asdict(self.timeouts), "groups": groups_set})
 
     def new_layout(self) -> None:
         """After a recovery: back to the start-up timeouts until steps are measured again."""
@@ -217,13 +239,17 @@ class AbortWatcher:
     connections down).
 
     The main thread ``acknowledge``s the events it handles before it builds new groups, so
-    that only later events (a failure during a recovery) interrupt those."""
+    that only later events (a failure during a recovery) interrupt those. During a recovery
+    attempt it also watches that attempt's retry key: a member whose attempt failed sets it,
+    and the members still inside the attempt leave it; members already in a later attempt
+    watch another key and are not disturbed."""
 
     def __init__(self, job: JobStore, abort: Callable[[], int], period_s: float = 0.2) -> None:
         self._job = job
         self._abort = abort
         self._period = period_s
         self._seen = 0
+        self._retry_key: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="abort-watcher", daemon=True)
@@ -235,11 +261,13 @@ class AbortWatcher:
         self._thread.start()
         return self
 
-    def acknowledge(self) -> None:
-        """Every event announced so far is being handled: interrupt only for later ones
-        (returns once no interruption is in progress)."""
+    def acknowledge(self, retry_key: str | None = None) -> None:
+        """Every event announced so far is being handled: interrupt only for later ones,
+        or once ``retry_key`` is set in the job store (returns once no interruption is in
+        progress)."""
         with self._lock:
             self._seen = self._events()
+            self._retry_key = retry_key
 
     @property
     def running(self) -> bool:
@@ -266,9 +294,12 @@ class AbortWatcher:
     def _tick(self) -> None:
         with self._lock:
             count = self._events()
-            if count <= self._seen:
+            retry = self._retry_key is not None and self._job.store.check([self._retry_key])
+            if count <= self._seen and not retry:
                 return
             n = self._abort()
             self._seen = count
+            self._retry_key = None
             self.aborted_at = time.time()
-        logger.warning("failure announced: interrupted %d communicators or connections", n)
+        # Every rank does this; the job's record of the failure comes from the controller.
+        logger.debug("failure announced: interrupted %d communicators or connections", n)

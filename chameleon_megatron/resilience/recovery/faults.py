@@ -1,19 +1,23 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
 A fault is written
-``rank=R,iteration=I,phase=forward|backward|optimizer|recovery,kind=exit|hang|exception|oom``
-(the ``--chameleon-inject-fault`` syntax, repeatable) or built with ``FaultInjector.fail_at``.
+``rank=R,iteration=I,phase=forward|backward|optimizer|recovery|eval|save,kind=exit|hang|exception|oom``
+or ``...,kind=slow,seconds=S`` (the ``--chameleon-inject-fault`` syntax, repeatable) or built
+with ``FaultInjector.fail_at``.
 
 * ``rank`` is the rank the launcher gave the process at start: it names a process, so it
   stays meaningful after a recovery has renumbered the survivors.
 * ``iteration`` is the 1-based number of the training step (the number the trainer logs).
 * ``phase``: forward, backward, optimizer fire inside that step (``fault_hooks``); recovery
   fires inside the recovery that will redo step I, after the survivors' new groups are built
-  and before any state moves (a failure during recovery; the recovery controller calls it).
+  and before any state moves (a failure during recovery; the recovery controller calls it);
+  eval and save fire as the evaluation or the checkpoint after step I starts (its peers are
+  then inside that collective work).
 * ``kind``: ``exit`` ends the process at once with ``INJECTED_EXIT_CODE`` (no clean-up, like a
   crash); ``hang`` blocks the calling thread forever (only a heartbeat timeout finds it);
   ``exception`` raises ``InjectedFault`` from the training code; ``oom`` raises torch's
-  ``OutOfMemoryError`` there (the process lives: with swap on, every rank redoes the step).
+  ``OutOfMemoryError`` there (the process lives: with swap on, every rank redoes the step);
+  ``slow`` sleeps ``seconds`` there and goes on (a slow machine, not a failure).
 """
 
 from __future__ import annotations
@@ -27,15 +31,15 @@ from typing import Iterable, Literal, get_args
 
 logger = logging.getLogger(__name__)
 
-Phase = Literal["forward", "backward", "optimizer", "recovery"]
-FaultKind = Literal["exit", "hang", "exception", "oom"]
+Phase = Literal["forward", "backward", "optimizer", "recovery", "eval", "save"]
+FaultKind = Literal["exit", "hang", "exception", "oom", "slow"]
 PHASES: tuple[str, ...] = get_args(Phase)
 KINDS: tuple[str, ...] = get_args(FaultKind)
 INJECTED_EXIT_CODE = 43
 """Exit status of a process ended by an injected ``exit`` fault."""
 
-_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|optimizer|recovery,"
-           "kind=exit|hang|exception|oom")
+_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|optimizer|recovery|eval|save,"
+           "kind=exit|hang|exception|oom|slow[,seconds=S]")
 
 
 class InjectedFault(RuntimeError):
@@ -50,6 +54,8 @@ class FaultSpec:
     iteration: int
     phase: Phase
     kind: FaultKind
+    seconds: float = 0.0
+    """How long a ``slow`` fault sleeps."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -60,9 +66,13 @@ class FaultSpec:
             raise ValueError(f"fault phase={self.phase!r}: must be one of {list(PHASES)}")
         if self.kind not in KINDS:
             raise ValueError(f"fault kind={self.kind!r}: must be one of {list(KINDS)}")
+        if (self.kind == "slow") != (self.seconds > 0):
+            raise ValueError(f"fault seconds={self.seconds}: kind=slow needs seconds > 0, "
+                             "and only kind=slow takes seconds")
 
     def __str__(self) -> str:
-        return f"rank={self.rank},iteration={self.iteration},phase={self.phase},kind={self.kind}"
+        text = f"rank={self.rank},iteration={self.iteration},phase={self.phase},kind={self.kind}"
+        return text + (f",seconds={self.seconds:g}" if self.kind == "slow" else "")
 
 
 def _int_field(text: str, key: str, value: str) -> int:
@@ -83,7 +93,7 @@ def parse_fault(text: str) -> FaultSpec:
             raise ValueError(f"fault {text!r}: {key} given twice")
         fields[key] = value.strip()
     keys = {"rank", "iteration", "phase", "kind"}
-    unknown = sorted(set(fields) - keys)
+    unknown = sorted(set(fields) - keys - {"seconds"})
     if unknown:
         raise ValueError(f"fault {text!r}: unknown key {unknown[0]!r}; expected {_SYNTAX}")
     missing = sorted(keys - set(fields))
@@ -94,7 +104,15 @@ def parse_fault(text: str) -> FaultSpec:
         iteration=_int_field(text, "iteration", fields["iteration"]),
         phase=fields["phase"],  # type: ignore[arg-type]
         kind=fields["kind"],  # type: ignore[arg-type]
+        seconds=_seconds(text, fields.get("seconds", "0")),
     )
+
+
+def _seconds(text: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"fault {text!r}: seconds={value!r} is not a number") from None
 
 
 class FaultInjector:
@@ -139,6 +157,9 @@ def _fire(spec: FaultSpec) -> None:
         import torch
 
         raise torch.OutOfMemoryError(f"injected fault {spec}")
+    if spec.kind == "slow":
+        time.sleep(spec.seconds)
+        return
     while True:  # hang: only the agent's heartbeat check ends this process
         time.sleep(3600)
 

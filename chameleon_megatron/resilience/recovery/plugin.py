@@ -128,7 +128,8 @@ class ResiliencePlugin(TrainerPlugin):
 
     @contextlib.contextmanager
     def step_context(self, iteration: int, *, training: bool) -> Iterator[None]:
-        if not training:
+        if not training:  # an evaluation step after step ``iteration``
+            self.controller.injector.check(iteration, "eval")
             yield
             return
         assert self.controller is not None, "on_model_built was not called"
@@ -151,6 +152,9 @@ class ResiliencePlugin(TrainerPlugin):
             detector.hold(self.ft.startup_timeout_s)
             groups.set_timeouts(self.ft.startup_timeout_s)
             self._relaxed = True
+
+    def on_checkpoint(self, iteration: int) -> None:
+        self.controller.injector.check(iteration, "save")
 
     def _slow_work_after(self, iteration: int) -> bool:
         """A checkpoint or an evaluation follows this step (no beats, long collectives)."""

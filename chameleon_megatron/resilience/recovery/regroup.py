@@ -5,9 +5,10 @@ rank of the previous membership has either joined or been announced failed, the 
 see it writes the membership with compare-and-set, so all read the same list. The decision
 center then gives each member a rank in the new world or none (a spare). Active members start
 a new default group and megatron's parallel state; spares wait for the next failure (or the
-end of the job) and join the next generation. A failure during recovery makes the current
-generation fail everywhere (its group cannot form or its vote fails); everyone retries with
-the next one.
+end of the job) and join the next generation. A rank that neither joins nor is announced
+within the regroup window is suspected (announced, reason ``regroup_timeout``) and left out.
+A failure during recovery makes the current generation fail everywhere (its group cannot
+form or its vote fails); everyone retries with the next one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
 from chameleon_megatron.megatron import groups
-from chameleon_megatron.resilience.store.announce import failed_ranks
+from chameleon_megatron.resilience.store.announce import FailureRecord, announce, failed_ranks
 from chameleon_megatron.resilience.store.job_store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,9 @@ class Membership:
         return self.members.index(rank)
 
 
-class RegroupError(RuntimeError):
-    """This generation cannot be formed (timeout, or this rank was declared failed)."""
-
-
-class DeclaredFailed(RegroupError):
-    """This rank was announced failed (e.g. too slow): it must leave, not retry."""
+class DeclaredFailed(RuntimeError):
+    """This rank was announced failed (e.g. suspected as too slow): it must leave, not
+    retry."""
 
 
 def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable[int], *,
@@ -52,7 +50,8 @@ def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable
                      poll_s: float = 0.05) -> Membership:
     """Join generation ``generation`` and return the membership every survivor agrees on.
     Besides ``previous``, it waits for the ranks the generation ``expected`` (new members
-    invited by whoever opened it, which writes them before opening)."""
+    invited by whoever opened it, which writes them before opening); those still missing
+    after ``timeout_s`` are suspected (``suspect``) and left out."""
     scope = job.scoped(f"gen/{generation}")
     if scope.check(["expected"]):
         previous = set(previous) | set(json.loads(scope.get("expected")))
@@ -70,10 +69,24 @@ def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable
             proposal = json.dumps({"members": expected, "failed": sorted(failed)})
             return _decided(scope.compare_set("members", "", proposal), generation, me)
         if time.monotonic() > deadline:
-            raise RegroupError(f"generation {generation}: ranks {missing} neither joined nor "
-                               f"were announced failed within {timeout_s} s")
+            suspect(job, generation, me, missing, timeout_s)
+            continue  # they count as failed now: the others go on without them
         on_wait()
         time.sleep(poll_s)
+
+
+def suspect(job: JobStore, generation: int, me: int, missing: list[int],
+            timeout_s: float) -> None:
+    """Announce ``missing`` failed (reason regroup_timeout): slow or gone, the job cannot
+    wait for them. A suspect that is alive finds itself declared failed when it arrives,
+    and leaves (its agent may restart it as a joiner)."""
+    now = time.time()
+    for rank in missing:
+        if announce(job, FailureRecord(rank=rank, time=now, reason="regroup_timeout",
+                                       node=f"rank {me}")):
+            logger.warning({"event": "suspected", "rank": rank, "generation": generation,
+                            "by": me, "waited_s": timeout_s,
+                            "next": "the others form the generation without it"})
 
 
 def _decided(value: bytes, generation: int, me: int) -> Membership:

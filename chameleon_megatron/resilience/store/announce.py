@@ -15,7 +15,7 @@ from typing import Literal
 
 from chameleon_megatron.resilience.store.job_store import JobStore
 
-Reason = Literal["exit", "signal", "heartbeat", "node"]
+Reason = Literal["exit", "signal", "heartbeat", "node", "regroup_timeout"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,13 @@ class FailureRecord:
     """When the failure was observed (the exit seen, or the heartbeat deadline passed)."""
     reason: Reason
     """exit: non-zero exit; signal: killed by a signal; heartbeat: silent too long (then
-    killed); node: its agent went silent (whole node lost)."""
+    killed); node: its agent went silent (whole node lost); regroup_timeout: suspected, as
+    it neither joined a generation nor was announced within the regroup window (it may be
+    alive and slow: it leaves when it finds out, and may come back as a joiner)."""
     exitcode: int | None = None
     signal: str | None = None
     node: str = ""
-    """Host (and pid) of the agent that saw it."""
+    """Host (and pid) of the agent that saw it (for a suspicion: the rank that raised it)."""
     last_seen: float | None = None
     """For heartbeat and node failures: the last sign of life, the best estimate of when it
     really failed."""

@@ -1,13 +1,16 @@
 """New members waiting to join a running job, as the job's ranks see them.
 
-A joiner (a restarted worker, ``joiners.py``) queues itself in the job store; the active ranks
-read how many wait (``waiting``), agree on a count in their between-steps all-reduce, take
-that many in queue order (``take``) and admit each into the generation that follows
-(``admit``); the joiner waits for that (``wait_for_invitation``).
+A joiner (a restarted worker, ``joiners.py``) queues itself in the job store; between two
+steps the active world's rank 0 reads how many wait (``waiting``), takes them in queue order
+(``take``) and offers them to the others (``offer``: the store changes while ranks read it,
+so one rank decides), who learn of it in their between-steps all-reduce and read the offer
+(``offered``); each admits them into the generation that follows (``admit``); the joiner
+waits for that (``wait_for_invitation``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable
 
@@ -32,8 +35,7 @@ class JoinQueue:
         return self.job.counter("join/count")
 
     def take(self, count: int) -> tuple[int, ...]:
-        """The first ``count`` queued joiners not yet admitted nor announced failed. Decided
-        by the store alone, so every rank past the same generation gets the same answer."""
+        """The first ``count`` queued joiners not yet admitted nor announced failed."""
         if count <= self._settled:
             return ()
         queued = [int(self.job.store.get(f"join/{i}")) for i in range(count)]
@@ -43,6 +45,13 @@ class JoinQueue:
         if not fresh:
             self._settled = count
         return fresh
+
+    def offer(self, generation: int, ranks: tuple[int, ...]) -> None:
+        """The joiners the world of ``generation`` admits next (said by its rank 0)."""
+        self.job.store.set(f"join/offer/{generation}", json.dumps(list(ranks)))
+
+    def offered(self, generation: int) -> tuple[int, ...]:
+        return tuple(json.loads(self.job.store.get(f"join/offer/{generation}")))
 
     def admit(self, rank: int, generation: int) -> None:
         self.job.store.set(f"join/gen/{rank}", str(generation))

@@ -1,4 +1,4 @@
-"""Joiners queue in the job store; every rank past the same generation invites the same ones."""
+"""Joiners queue in the job store; rank 0 takes them and offers them to the whole world."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def test_old_and_new_members_invite_the_same_joiners() -> None:
     assert old.take(2) == new.take(2) == (9,)
     old.admit(9, generation=4)
     assert old.take(3) == new.take(3) == ()  # 10 failed before it was admitted
+
+
+def test_the_offer_of_rank_0_is_what_every_rank_admits() -> None:
+    """Rank 0 takes the queue and offers it for its generation; a rank reading the queue
+    itself after a faster one admitted the joiner would see nobody to invite (the race
+    that split a world between a join and the next step)."""
+    job = JobStore(dist.HashStore(), "run")
+    lead, other = JoinQueue(job), JoinQueue(job)
+    lead.enqueue(4)
+    invited = lead.take(lead.waiting())
+    lead.offer(2, invited)
+    lead.admit(4, generation=3)  # rank 0 went ahead
+    assert other.take(other.waiting()) == ()  # what a slower rank would have read
+    assert other.offered(2) == invited == (4,)
 
 
 def test_a_joiner_waits_for_its_generation_or_the_end_of_the_job() -> None:

@@ -1,0 +1,70 @@
+"""Recovery time by phase (detect, decide, regroup, migrate) of a real training job, for a
+failure at start-up (step 2: no step time measured yet, the groups still have the start-up
+timeout) and at steady state, on 4 and 8 CPU ranks.
+
+Each case is one ``chameleon-run --chameleon-ft`` job with product defaults (derived
+profile, timeouts from the measured step time) in which one rank exits in backward; the
+figures are its ``{"event": "recovery"}`` record's ``phases_s``. Targets (issue 12, tiny
+model): detection <= 1 s, total <= 5 s.
+
+    python scripts/bench_recovery_phases.py                 # 4 and 8 ranks, both moments
+    python scripts/bench_recovery_phases.py --nproc 4 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_recovery_e2e import train  # noqa: E402
+
+PHASES = ("detect", "decide", "regroup", "migrate", "total")
+MOMENTS = {"start-up": 2, "steady": 12}
+"""The failing step: 2 is before any step time is known; by 12 the timeouts are derived."""
+
+
+def one(tmp: Path, nproc: int, at: int, iters: int, timeout_s: float) -> dict[str, float]:
+    victim = nproc - 1
+    fault = f"rank={victim},iteration={at},phase=backward,kind=exit"
+    recs = train(tmp, f"n{nproc}-at{at}", nproc,
+                 ["--pipeline-model-parallel-size", "2", "--chameleon-ft",
+                  "--chameleon-inject-fault", fault], iters, ft=True, timeout_s=timeout_s)
+    rec = next(r for r in recs if r["event"] == "recovery")
+    return rec["phases_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--repeat", type=int, default=1, help="jobs per case (medians)")
+    parser.add_argument("--iters", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per job, seconds")
+    args = parser.parse_args()
+    rows = []
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for nproc in args.nproc:
+            for moment, at in MOMENTS.items():
+                runs = [one(Path(tempfile.mkdtemp(dir=tmp)), nproc, at, args.iters,
+                            args.timeout) for _ in range(args.repeat)]
+                row = {"ranks": nproc, "failure": f"{moment} (step {at})",
+                       **{p: round(statistics.median(r[p] for r in runs), 3) for p in PHASES}}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n| ranks | failure | {' | '.join(PHASES)} (s) |")
+    print("|---|---|" + "---|" * len(PHASES))
+    for row in rows:
+        print(f"| {row['ranks']} | {row['failure']} | "
+              + " | ".join(f"{row[p]:.2f}" for p in PHASES) + " |")
+    print(f"\nload average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
