@@ -88,9 +88,12 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
                    args.iters, ft=True, timeout_s=args.timeout)
     rec = next(r for r in faulty if r["event"] == "recovery")
     after = rec["layout_after"]
-    new_size = after["tp"] * after["pp"] * after["dp"]
-    at_new = train(tmp, "new_size", new_size, layout_flags(after["tp"], after["pp"]), args.iters,
-                   ft=False, timeout_s=args.timeout)
+    at_new = None  # a heterogeneous plan has no failure-free megatron twin
+    if after["mode"] == "megatron":
+        at_new = train(tmp, "new_size", after["tp"] * after["pp"] * after["dp"],
+                       layout_flags(after["tp"], after["pp"]), args.iters, ft=False,
+                       timeout_s=args.timeout)
+    new_step = median_step(at_new) if at_new else None
     at_old = train(tmp, "old_size", args.nproc, layout_flags(args.tp, args.pp), args.iters,
                    ft=False, timeout_s=args.timeout)
     recovered = median_step(faulty, first=rec["redo_iteration"])
@@ -98,7 +101,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
     return {
         "layout_before": f"TP{args.tp} x PP{args.pp} x DP{args.nproc // (args.tp * args.pp)}",
         "fault": fault,
-        "layout_after": f"TP{after['tp']} x PP{after['pp']} x DP{after['dp']}",
+        "layout_after": after["plan"],
         "spares": rec["spares"],
         "decision": {"choice": rec["decision"]["choice"],
                      "executed": rec["decision"]["executed"],
@@ -109,8 +112,8 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
         "migrated_MiB": rec["migrated_bytes"] / 2**20,
         "step_s": {"before_failure": median_step(faulty, last=args.fail_at - 1),
                    "failure_free_old_size": median_step(at_old),
-                   "after_recovery": recovered, "failure_free_new_size": median_step(at_new)},
-        "throughput_after_vs_failure_free_new_size": median_step(at_new) / recovered,
+                   "after_recovery": recovered, "failure_free_new_size": new_step},
+        "throughput_after_vs_failure_free_new_size": new_step and new_step / recovered,
         "estimate": {"estimated_step_s": replan["t_step_s"], "measured_step_s": recovered,
                      "relative_error": (replan["t_step_s"] - recovered) / recovered},
     }
