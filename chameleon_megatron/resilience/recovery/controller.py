@@ -23,6 +23,7 @@ rebuild, transfers) happen here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -171,6 +172,8 @@ class RecoveryController:
         """Started by ``watch`` (a thread: whoever starts it stops it with ``close``)."""
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
+        self._window_s = 0.0
+        """The current recovery attempt's window for each wait."""
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
@@ -189,7 +192,9 @@ class RecoveryController:
         return rng_state()
 
     def _keepalive(self) -> None:
-        self.detector.hold(self.ft.startup_timeout_s)
+        """Beat before a wait that cannot: it may last a whole recovery window (a rank
+        silent for longer than its hold is killed as hung)."""
+        self.detector.hold(max(self.ft.startup_timeout_s, self._window_s + SLOW_PEER_WAIT_S))
 
     # ----------------------------------------------------------------------- entry
     def handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
@@ -316,6 +321,9 @@ class RecoveryController:
         """Tell the next generation to wait for ``invited`` too, and them which it is."""
         scope = self.job.scoped(f"gen/{self.generation + 1}")
         scope.set("expected", json.dumps(sorted(set(self.members) | set(invited))))
+        # the joiners wait as long as the members will (not their start-up windows)
+        window = windows(self.detector.timeouts, self.longest_recovery_s).rendezvous_s
+        scope.set("window_s", str(window))
         for rank in invited:
             self.joiners.admit(rank, self.generation + 1)
         self._invited = invited
@@ -329,7 +337,9 @@ class RecoveryController:
         self.generation = generation - 1
         self.members = (self.me,)  # the generation's "expected" names the others
         self._cause, self._invited = "join", (self.me,)
-        return self._serve(trainer, Held.nothing(), time.time(), self.detector.timeouts)
+        window = float(self.job.scoped(f"gen/{generation}").get("window_s"))
+        timeouts = dataclasses.replace(self.detector.timeouts, rendezvous_s=window)
+        return self._serve(trainer, Held.nothing(), time.time(), timeouts)
 
     def metrics(self) -> dict[str, Any]:
         return {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
@@ -352,6 +362,7 @@ class RecoveryController:
         timeouts = windows(timeouts, self.longest_recovery_s)
         retries = 0
         while True:
+            self._window_s = timeouts.rendezvous_s
             self.generation += 1
             # the new generation's groups: only later events, or this attempt's retry
             self.watcher.acknowledge(_retry_key(self.generation))

@@ -8,11 +8,11 @@ every survivor applied before the failure surfaced is kept, not redone), every l
 reference's, every rank holding the model at the end holds the reference's weights and Adam
 moments, and nothing is left running.
 
-``test_soak_random_seed`` draws a new seed on every run and names it on failure;
+``test_soak_random_seed`` draws a new seed and names it on failure;
 ``CHAMELEON_SOAK_SEED=<seed>`` replays one; ``test_soak_replays_seeds_that_found_bugs``
-replays the seeds that found bugs. The soak jobs run only with ``CHAMELEON_SOAK=1`` (a few
-minutes each): seed 384601 still ends the job (see ``FOUND_BUGS``), so they are not yet in
-the default suite; the schedule's own test is. Not covered here: a whole node's agent
+replays the seeds that found bugs. The soak jobs (a few minutes each) run only with
+``CHAMELEON_SOAK=1``: seed 384601 still ends the job (``FOUND_BUGS``), so they are not in the
+default suite yet; the schedule's own test is. Not covered here: a whole node's agent
 killed, and a new node joining (``launch/test_launcher.py``, ``test_adaptive_e2e.py``).
 """
 
@@ -41,10 +41,12 @@ FLAGS = ("--micro-batch-size", "1", "--global-batch-size", "16", "--eval-interva
 TIED = {"output|output_layer.weight": "embedding|word_embeddings.weight"}
 """A last stage's copy of the tied word embeddings (one process has none)."""
 FOUND_BUGS = (384601,)
-"""Seeds that found a bug. 384601: a recovery into generation 10 timed out building the new
-world (the gloo rendezvous waited for a member that never came), later attempts suspected
-joiners, and members stuck in them went unbeaten for the relaxed heartbeat (40 s) and were
-killed, until no one was left (open)."""
+"""Seeds that found a bug. 384601 (open): after a hang and a failure during its recovery,
+members of one attempt stay blocked in gloo's rendezvous of the new world (store waits,
+which the retry key does not interrupt) while others move on; each then waits out a
+doubled window in a different generation until none is left. Fixed on the way: joiners
+waited with their start-up window (160 s, the members' 12 s) and a heartbeat hold shorter
+than their window, and were killed as hung."""
 
 
 def schedule(seed: int) -> list[str]:
