@@ -24,9 +24,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, ITERS, assert_losses_match, assert_same_state, combine, faults, launch, records,
-    run_reference, write_profile,
+    FT, ITERS, assert_losses_match, assert_same_state, combine, faults, job_args, launch,
+    records, run_reference, write_profile,
 )
+from rt_support import run_launcher  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]
 
@@ -36,17 +37,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float
     return run_reference(tmp_path_factory.mktemp("reference"))
 
 
+def launch_four(tmp: Path, *fault_specs: str) -> tuple[list, dict, str]:
+    """4 ranks, DP2 x PP2, a profile that favours depth-1 pipelines, ``fault_specs``."""
+    profile = write_profile(tmp / "profile.json", favour="dp", tp=1)
+    return launch(tmp, 4, [
+        "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
+        "--chameleon-ft-profile", str(profile), *faults(*fault_specs)], timeout_s=300)
+
+
 def test_four_ranks_recover_in_memory_from_three_failures(reference, tmp_path: Path,
                                                           busy_cores: int) -> None:
     """Run with every core busy: slowness must not be taken for failure."""
     ref_losses, ref_dump = reference
-    profile = write_profile(tmp_path / "profile.json", favour="dp", tp=1)
-    recs, dumps, log = launch(tmp_path, 4, [
-        "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
-        "--chameleon-ft-profile", str(profile),
-        *faults("rank=0,iteration=3,phase=backward,kind=exit",
-                "rank=2,iteration=3,phase=recovery,kind=exit",
-                "rank=3,iteration=6,phase=forward,kind=hang")], timeout_s=300)
+    recs, dumps, log = launch_four(
+        tmp_path, "rank=0,iteration=3,phase=backward,kind=exit",
+        "rank=2,iteration=3,phase=recovery,kind=exit", "rank=3,iteration=6,phase=forward,kind=hang")
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     first, second = [r for r in recs if r["event"] == "recovery"]
     # generation 1 failed when rank 2 died in it; generation 2 recovered from the old state
@@ -116,12 +121,9 @@ def test_a_recovery_that_times_out_on_a_slow_rank_is_retried(reference, tmp_path
     under the next generation with a doubled window. Rank 1 is not declared failed; the job
     recovers in memory and matches the reference."""
     ref_losses, ref_dump = reference
-    profile = write_profile(tmp_path / "profile.json", favour="dp", tp=1)
-    recs, dumps, log = launch(tmp_path, 4, [
-        "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
-        "--chameleon-ft-profile", str(profile),
-        *faults("rank=0,iteration=3,phase=backward,kind=exit",
-                "rank=1,iteration=3,phase=recovery,kind=slow,seconds=16")], timeout_s=300)
+    recs, dumps, log = launch_four(
+        tmp_path, "rank=0,iteration=3,phase=backward,kind=exit",
+        "rank=1,iteration=3,phase=recovery,kind=slow,seconds=16")
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     (recovery,) = [r for r in recs if r["event"] == "recovery"]
     assert recovery["failed_ranks"] == [0] and recovery["generation"] >= 2, recovery
@@ -133,6 +135,22 @@ def test_a_recovery_that_times_out_on_a_slow_rank_is_retried(reference, tmp_path
     assert_same_state(combine([ref_dump]), combine([dumps[r] for r in survivors]))
 
 
+def test_with_no_retries_left_a_recovery_that_times_out_ends_the_job(tmp_path: Path) -> None:
+    """The same slow recovery with ``--chameleon-ft-recovery-retries 0``: the ranks whose
+    attempt timed out with no rank failing give up (RecoveryFailed naming the bound) instead
+    of retrying, and the job ends."""
+    profile = write_profile(tmp_path / "profile.json", favour="dp", tp=1)
+    code, _ = run_launcher(["--standalone", *job_args(tmp_path, 4, [
+        "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
+        "--chameleon-ft-profile", str(profile), "--chameleon-ft-recovery-retries", "0",
+        *faults("rank=0,iteration=3,phase=backward,kind=exit",
+                "rank=1,iteration=3,phase=recovery,kind=slow,seconds=16")])],
+        tmp_path / "log", timeout_s=300)
+    log = (tmp_path / "log").read_text()
+    assert code != 0, log[-4000:]
+    assert "RecoveryFailed: generation 1: recovery failed 1 times with no rank failing" in log
+
+
 def test_detection_takes_under_a_second_at_start_up_and_at_steady_state(
         reference, tmp_path: Path) -> None:
     """Rank 3 exits in step 2, before any step time is known (the groups still have the
@@ -140,12 +158,9 @@ def test_detection_takes_under_a_second_at_start_up_and_at_steady_state(
     survivors leave the step within 1 s of the agent's announcement: its watcher interrupts
     their blocked operations instead of letting them wait out a timeout."""
     ref_losses, _ = reference
-    profile = write_profile(tmp_path / "profile.json", favour="dp", tp=1)
-    recs, _, log = launch(tmp_path, 4, [
-        "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
-        "--chameleon-ft-profile", str(profile),
-        *faults("rank=3,iteration=2,phase=forward,kind=exit",
-                "rank=1,iteration=6,phase=backward,kind=exit")], timeout_s=300)
+    recs, _, log = launch_four(
+        tmp_path, "rank=3,iteration=2,phase=forward,kind=exit",
+        "rank=1,iteration=6,phase=backward,kind=exit")
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     first, second = [r for r in recs if r["event"] == "recovery"]
     assert (first["failed_ranks"], first["redo_iteration"]) == ([3], 2)
