@@ -17,8 +17,13 @@ from rt_support import run_launcher  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "recovery_worker.py"
 ITERS = 8
 COMMON = [*TINY, "--hidden-dropout", "0", "--attention-dropout", "0"]
-FT = ["--chameleon-ft", "--chameleon-ft-timing-steps", "1", "--chameleon-ft-min-pg-timeout-s", "3",
+FT = ["--chameleon-ft", "--chameleon-ft-timing-steps", "1",
       "--chameleon-ft-pg-timeout-factor", "10"]
+"""Timeouts from the first measured step, with the default 5 s floor: group timeout 5 s,
+heartbeat 10 s, recovery window 20 s (a 2-core machine running 8 ranks stalls a rank for
+seconds now and then: a shorter heartbeat kills healthy ranks)."""
+SHORT_WINDOW = ["--chameleon-ft-min-pg-timeout-s", "3"]
+"""Group timeout 3 s, heartbeat 6 s, recovery window 12 s: for tests that outlast a window."""
 
 
 def faults(*specs: str) -> list[str]:
@@ -86,6 +91,16 @@ def outcome(tmp: Path) -> tuple[list, dict, str]:
     assert not leftover(tmp), f"processes left behind: {leftover(tmp)}"
     dumps = {int(p.stem): json.loads(p.read_text()) for p in (tmp / "dump").glob("*.json")}
     return records(tmp / "metrics.jsonl"), dumps, (tmp / "log").read_text()
+
+
+FAILURE_LINES = ("worker failed", "silent for", '"event": "suspected"', '"event": "failure_seen"',
+                 '"event": "recovery_retry"', '"event": "timeouts"')
+
+
+def failure_story(log: str) -> str:
+    """The log lines that say who was declared failed, why, and under which deadlines: what
+    an assertion about a recovery should print when it fails."""
+    return "\n".join(line for line in log.splitlines() if any(k in line for k in FAILURE_LINES))
 
 
 def records(metrics: Path) -> list[dict]:

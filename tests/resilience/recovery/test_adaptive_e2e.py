@@ -28,8 +28,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, assert_losses_match, assert_same_state, combine, faults, job_args, launch, outcome,
-    records, run_reference, write_profile,
+    FT, assert_losses_match, assert_same_state, combine, failure_story, faults, job_args, launch,
+    outcome, records, run_reference, write_profile,
 )
 from rt_support import free_port, start_launcher, stop  # noqa: E402
 
@@ -129,6 +129,7 @@ def test_adaptive_reroutes_then_re_plans(reference, tmp_path: Path) -> None:
                                  "300", *faults("rank=1,iteration=7,phase=forward,kind=exit"))
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     first, second = recoveries(recs)
+    assert first["failed_ranks"] == [5], failure_story(log)
     assert first["decision"]["choice"] == "reroute", first["decision"]
     assert first["layout_after"]["mode"] == "reroute"
     assert second["failed_ranks"] == [1] and second["decision"]["choice"] == "replan"

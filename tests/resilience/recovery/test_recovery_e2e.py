@@ -24,8 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, ITERS, assert_losses_match, assert_same_state, combine, faults, job_args, launch,
-    records, run_reference, write_profile,
+    FT, ITERS, SHORT_WINDOW, assert_losses_match, assert_same_state, combine, faults, job_args,
+    launch, records, run_reference, write_profile,
 )
 from rt_support import run_launcher  # noqa: E402
 
@@ -37,12 +37,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float
     return run_reference(tmp_path_factory.mktemp("reference"))
 
 
-def launch_four(tmp: Path, *fault_specs: str) -> tuple[list, dict, str]:
+def launch_four(tmp: Path, *fault_specs: str,
+                extra: tuple[str, ...] = ()) -> tuple[list, dict, str]:
     """4 ranks, DP2 x PP2, a profile that favours depth-1 pipelines, ``fault_specs``."""
     profile = write_profile(tmp / "profile.json", favour="dp", tp=1)
     return launch(tmp, 4, [
         "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
-        "--chameleon-ft-profile", str(profile), *faults(*fault_specs)], timeout_s=300)
+        "--chameleon-ft-profile", str(profile), *extra, *faults(*fault_specs)], timeout_s=300)
 
 
 def test_four_ranks_recover_in_memory_from_three_failures(reference, tmp_path: Path,
@@ -99,13 +100,14 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
 
 
 def test_a_slow_rank_is_not_a_failed_one(reference, tmp_path: Path) -> None:
-    """DP2: rank 1 stops 3 s in step 3, longer than the group timeout (2 s) and shorter
-    than its heartbeat (4 s). Rank 0's all-reduce times out with nothing announced: every
-    rank abandons step 3 and redoes it in the same layout; nobody is declared failed."""
+    """DP2: rank 1 stops 6 s in step 3, longer than the group timeout (4 s) and shorter
+    than its heartbeat (8 s), by 2 s each way. Rank 0's all-reduce times out with nothing
+    announced: every rank abandons step 3 and redoes it in the same layout; nobody is
+    declared failed."""
     ref_losses, ref_dump = reference
     recs, dumps, log = launch(tmp_path, 2, [
-        *FT, "--chameleon-ft-min-pg-timeout-s", "2", "--chameleon-ft-pg-timeout-factor", "1",
-        "--chameleon-ft-startup-timeout-s", "120", "--stall-at", "1:3:3"], timeout_s=150)
+        *FT, "--chameleon-ft-min-pg-timeout-s", "4", "--chameleon-ft-pg-timeout-factor", "1",
+        "--chameleon-ft-startup-timeout-s", "120", "--stall-at", "1:3:6"], timeout_s=150)
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     (recovery,) = [r for r in recs if r["event"] == "recovery"]
     assert recovery["cause"] == "timeout" and recovery["failures"] == []
@@ -123,7 +125,7 @@ def test_a_recovery_that_times_out_on_a_slow_rank_is_retried(reference, tmp_path
     ref_losses, ref_dump = reference
     recs, dumps, log = launch_four(
         tmp_path, "rank=0,iteration=3,phase=backward,kind=exit",
-        "rank=1,iteration=3,phase=recovery,kind=slow,seconds=16")
+        "rank=1,iteration=3,phase=recovery,kind=slow,seconds=16", extra=tuple(SHORT_WINDOW))
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     (recovery,) = [r for r in recs if r["event"] == "recovery"]
     assert recovery["failed_ranks"] == [0] and recovery["generation"] >= 2, recovery
@@ -143,6 +145,7 @@ def test_with_no_retries_left_a_recovery_that_times_out_ends_the_job(tmp_path: P
     code, _ = run_launcher(["--standalone", *job_args(tmp_path, 4, [
         "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
         "--chameleon-ft-profile", str(profile), "--chameleon-ft-recovery-retries", "0",
+        *SHORT_WINDOW,
         *faults("rank=0,iteration=3,phase=backward,kind=exit",
                 "rank=1,iteration=3,phase=recovery,kind=slow,seconds=16")])],
         tmp_path / "log", timeout_s=300)
