@@ -4,8 +4,10 @@ megatron.core.datasets reads three things of a tokenizer: ``vocab_size``, ``eod`
 ``unique_identifiers`` (part of the index cache key). Without ``--tokenizer-type`` the
 trainer keeps its byte tokenizer, which needs no file. NullTokenizer and
 HuggingFaceTokenizer are megatron-core's own (``megatron.core.tokenizers``);
-GPT2BPETokenizer is megatron-core's text tokenizer class over the local byte-level BPE of
-``gpt2_bpe`` (megatron-core's own GPT2BPETokenizer downloads from the hub).
+GPT2BPETokenizer (``gpt2_tokenizer``) is megatron-core's text tokenizer class over the local
+byte-level BPE of ``gpt2_bpe`` (megatron-core's own GPT2BPETokenizer downloads from the hub).
+It is imported only when asked for: megatron-core's text tokenizers import transformers,
+about 1 s of every worker's start-up.
 
 The model is sized before this module is used: validate and preflight work out the
 vocabulary size without importing megatron (see ``preflight._tokenizer_files``), and
@@ -19,11 +21,9 @@ from typing import Any
 
 import numpy as np
 from megatron.core.tokenizers import MegatronTokenizer
-from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.data_flags import BYTE_VOCAB_SIZE, tokenizer_vocab_size
-from chameleon_megatron.training.gpt2_bpe import ByteLevelBPE
 
 
 class ByteTokenizer:
@@ -48,19 +48,6 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if i < min(256, self.eod)).decode("utf-8", "replace")
 
 
-class GPT2BPETokenizer(MegatronTokenizerText):
-    """megatron-core's text tokenizer (``vocab_size``, ``eod``, ``tokenize``, cache key with
-    both file paths) over a GPT-2 BPE read from local files."""
-
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
-        super().__init__(None, {"library": "gpt2-bpe", "model_type": "gpt"},
-                         vocab_file=vocab_file, merges_file=merge_file)
-
-    def _restore_model(self, vocab_file: str, merges_file: str, **_: Any) -> ByteLevelBPE:
-        """The library object megatron-core's methods delegate to (its own would download)."""
-        return ByteLevelBPE.from_files(vocab_file, merges_file)
-
-
 def build_tokenizer(args: argparse.Namespace) -> Any:
     """The tokenizer of ``--tokenizer-type`` (the byte tokenizer without it)."""
     kind = args.tokenizer_type
@@ -70,6 +57,8 @@ def build_tokenizer(args: argparse.Namespace) -> Any:
         return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"},
                                                  vocab_size=args.vocab_size)
     if kind == "GPT2BPETokenizer":
+        from chameleon_megatron.training.gpt2_tokenizer import GPT2BPETokenizer
+
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
     if kind == "HuggingFaceTokenizer":
         # Fast tokenizers load from tokenizer.json alone, as Megatron-LM's legacy
