@@ -49,14 +49,16 @@ class ChameleonConfig:
 SECTIONS: frozenset[str] = frozenset(c.SECTION for c in COMPONENTS)
 
 
-def add_chameleon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--chameleon-config`` and every component's flags (an ``extra_args_provider``)."""
+def add_chameleon_args(parser: argparse.ArgumentParser,
+                       components: tuple[type, ...] = COMPONENTS) -> argparse.ArgumentParser:
+    """Add ``--chameleon-config`` and the flags of ``components`` (every component by
+    default; an entry that supports fewer offers only theirs)."""
     group = parser.add_argument_group("chameleon")
     group.add_argument(
         "--chameleon-config", dest="chameleon_config", default=None, metavar="FILE.yaml",
         help="YAML preset; its sections are component names (and 'megatron' for trainer flags).",
     )
-    for cls in COMPONENTS:
+    for cls in components:
         add_flags(group, cls.SECTION, cls)
     return parser
 

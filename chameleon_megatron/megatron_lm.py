@@ -5,8 +5,12 @@ The patch rebinds ``pretrain = wrap_pretrain(pretrain)`` at the top of the scrip
 
 * ``parse_args`` of ``megatron.training.arguments`` and ``.initialize`` chain our
   ``extra_args_provider``: every parse (``--help``, the in-process-restart check, the one in
-  ``initialize_megatron``) knows ``--chameleon-config`` and every ``--chameleon-*`` flag, and
-  the preset's ``megatron`` section becomes parser defaults, so command-line flags still win.
+  ``initialize_megatron``) knows ``--chameleon-config`` and the flags of ``COMPONENTS`` (swap,
+  metrics), and the preset's ``megatron`` section becomes parser defaults (as do the flags a
+  CPU needs, on a host without CUDA), so command-line flags still win. Each parse checks
+  the Chameleon config and ends a run it cannot serve with one line, before any work.
+* Without CUDA, ``lm_cpu_platform`` patches Megatron-LM's start-up for the CPU while
+  ``pretrain()`` runs (``chameleon_megatron/megatron/lm_cpu.py``).
 * While the wrapped ``pretrain()`` runs, three functions of ``megatron.training.training``
   that ``pretrain()`` and ``train()`` look up at call time are replaced (``MegatronLMHook``),
   and restored when it returns or raises:
@@ -41,12 +45,16 @@ import torch
 
 from chameleon_megatron.config import (
     ChameleonConfig,
+    MetricsConfig,
     add_chameleon_args,
     config_from_args,
     read_yaml,
 )
 from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.errors import fail
+from chameleon_megatron.megatron.lm_cpu import lm_cpu_platform, set_cpu_defaults
 from chameleon_megatron.metrics_file import MetricsWriter
+from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
 
 logger = logging.getLogger(__name__)
@@ -58,13 +66,18 @@ WRAPPED = ("setup_model_and_optimizer", "get_forward_backward_func", "train_step
 """Functions of megatron.training.training replaced while pretrain() runs."""
 USED = WRAPPED + ("get_args", "mpu", "get_model_config", "get_num_microbatches")
 """Every name of megatron.training.training the hook relies on."""
+COMPONENTS = (MetricsConfig, SwapConfig)
+"""What this path supports: its --help offers only their flags, and a preset that enables
+another component (fault tolerance) is refused when the arguments are parsed."""
+PROG = "pretrain_gpt.py"
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: Chameleon's flags plus the preset's megatron
     defaults. A parser that already has them is returned unchanged."""
     if "--chameleon-config" not in parser._option_string_actions:
-        add_chameleon_args(parser)
+        add_chameleon_args(parser, COMPONENTS)
+        set_cpu_defaults(parser)
         apply_preset_defaults(parser, sys.argv[1:])
     return parser
 
@@ -101,17 +114,17 @@ def chain_providers(*providers: ArgsProvider | None) -> ArgsProvider:
     return provider
 
 
-def plugins_for(config: ChameleonConfig) -> list[TrainerPlugin]:
-    """Plugins of the enabled subsystems: the same as chameleon's own trainer builds.
-
-    In-process fault tolerance rebuilds groups and model inside chameleon's trainer under
-    its launcher, which Megatron-LM's loop does not allow: ``--chameleon-ft`` is refused.
-    """
+def check_supported(config: ChameleonConfig) -> None:
+    """Refuse what this path cannot run (before Megatron-LM builds anything)."""
     if config.ft.enabled:
         raise ConfigError(
-            "--chameleon-ft=True: in-process recovery needs chameleon-pretrain-gpt under "
-            "chameleon-run; it is not available with Megatron-LM's pretrain_gpt.py"
+            "ft.enabled=True: in-process recovery needs chameleon-pretrain-gpt under "
+            "chameleon-run; Megatron-LM's pretrain_gpt.py runs swap and metrics only"
         )
+
+
+def plugins_for(config: ChameleonConfig) -> list[TrainerPlugin]:
+    """Plugins of the enabled subsystems: the same as chameleon's own trainer builds."""
     from chameleon_megatron.pretrain_gpt import build_plugins
 
     return build_plugins(config)
@@ -125,7 +138,11 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     ``pretrain()`` (in-process restart, ``--help``) and inside it. Each call of the returned
     function installs the training seams for that call only.
     """
-    from megatron.training import arguments, initialize, training  # a Megatron-LM checkout
+    from megatron.training import (  # a Megatron-LM checkout
+        arguments,
+        initialize,
+        training,
+    )
 
     missing = [f"{m.__name__}.{name}" for m, names in
                ((arguments, ("parse_args",)), (initialize, ("parse_args",)), (training, USED))
@@ -142,7 +159,8 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(pretrain)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with MegatronLMHook(training, plugins_for).installed():
+        with lm_cpu_platform(training, initialize), \
+                MegatronLMHook(training, plugins_for).installed():
             return pretrain(*args, **kwargs)
 
     return wrapped
@@ -166,7 +184,13 @@ def with_chameleon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(parse_args)
     def parse(*args: Any, **kwargs: Any) -> Any:
         theirs = args[0] if args else kwargs.pop("extra_args_provider", None)
-        return parse_args(chain_providers(theirs, extra_args_provider), *args[1:], **kwargs)
+        try:
+            parsed = parse_args(chain_providers(theirs, extra_args_provider), *args[1:],
+                                **kwargs)
+            check_supported(config_from_args(parsed))
+        except ValueError as exc:  # ConfigError, a malformed preset: one line, exit 2
+            raise fail(PROG, str(exc).splitlines()[0]) from None
+        return parsed
 
     setattr(parse, _CHAINED, True)
     return parse

@@ -4,8 +4,9 @@ Without network or a checkout, the tests write a synthetic ``pretrain_gpt.py`` h
 the lines the patch keys on, and a small stand-in ``megatron.training`` package whose
 ``pretrain`` parses flags and runs a 3-iteration loop through the same three seams as
 Megatron-LM (setup_model_and_optimizer, get_forward_backward_func, train_step).
-With CHAMELEON_MEGATRON_LM=/path/to/Megatron-LM (its Python deps importable, e.g. through
-PYTHONPATH), the patch is also applied to a copy of that checkout and checked there.
+With a real checkout (CHAMELEON_MEGATRON_LM, else ../shared/megatron-lm next to the repository,
+as on CI), the patch is also applied to a copy of it, and Megatron-LM's own pretrain_gpt.py
+trains on 2 CPU ranks (DP2 and PP2, with and without swap, README's recipe as written).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -219,12 +221,13 @@ def test_chain_providers_keeps_order_and_skips_none():
     assert parser.parse_args([]).a == "second"
 
 
-def test_plugins_follow_the_config():
+def test_plugins_follow_the_config_and_fault_tolerance_is_refused():
     assert megatron_lm.plugins_for(build_config({})) == []
     swap = megatron_lm.plugins_for(build_config({"swap": {"enabled": True}}))
     assert [type(p).__name__ for p in swap] == ["SwapPlugin"]
-    with pytest.raises(ConfigError, match="--chameleon-ft=True: in-process recovery needs"):
-        megatron_lm.plugins_for(build_config({"ft": {"enabled": True}}))
+    megatron_lm.check_supported(build_config({"swap": {"enabled": True}}))
+    with pytest.raises(ConfigError, match="ft.enabled=True: in-process recovery needs"):
+        megatron_lm.check_supported(build_config({"ft": {"enabled": True}}))
 
 
 # ------------------------------------------------- patched script on a stand-in Megatron-LM
@@ -263,10 +266,18 @@ import torch
 from megatron.training.arguments import parse_args
 
 
-def initialize_megatron(extra_args_provider=None):
+def initialize_megatron(extra_args_provider=None, allow_no_cuda=False):
+    if not allow_no_cuda:
+        assert torch.cuda.is_available(), "Megatron requires CUDA."
     args = parse_args(extra_args_provider)
     torch.distributed.init_process_group("gloo")
+    _compile_dependencies()
     return args
+
+
+def _compile_dependencies():
+    from torch.utils import cpp_extension
+    assert cpp_extension.CUDA_HOME is not None, "fused kernels need nvcc"
 '''
 
 STANDIN_TRAINING = '''\
@@ -275,7 +286,7 @@ import types
 
 import torch
 
-from megatron.training import initialize
+from megatron.training.initialize import initialize_megatron
 
 ARGS = None
 EVAL_AFTER = 1  # evaluate after this iteration index
@@ -322,7 +333,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
 def pretrain(dataset_provider, model_provider, model_type, forward_step_func,
              extra_args_provider=None, store=None):
     global ARGS
-    ARGS = initialize.initialize_megatron(extra_args_provider)
+    ARGS = initialize_megatron(extra_args_provider)
     ARGS.data_parallel_size, ARGS.virtual_pipeline_model_parallel_size = 1, None
     ARGS.consumed_train_samples, ARGS.iteration = 0, 0
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
@@ -345,6 +356,7 @@ import runpy
 import sys
 
 import megatron.training.training as training
+import torch
 from chameleon_megatron import megatron_lm
 from chameleon_megatron.training.plugin import TrainerPlugin
 
@@ -380,12 +392,13 @@ def build(config):
 
 
 megatron_lm.plugins_for = build
-originals = {n: getattr(training, n) for n in megatron_lm.WRAPPED}
+originals = {n: getattr(training, n) for n in (*megatron_lm.WRAPPED, "initialize_megatron")}
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 out = {
     "events": recorder.events,
     "restored": all(getattr(training, n) is f for n, f in originals.items()),
+    "cuda_restored": torch.cuda.device_count() == 0,
     "num_layers": training.ARGS.num_layers,
     "hidden_size": training.ARGS.hidden_size,
     **seen,
@@ -418,13 +431,37 @@ def standin(tmp_path):
     return ckpt, env
 
 
-def test_patched_script_help_lists_chameleon_flags(standin):
+def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     ckpt, env = standin
     out = subprocess.run([sys.executable, str(ckpt / "pretrain_gpt.py"), "--help"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     for flag in ("--num-layers", "--chameleon-config", "--chameleon-swap",
-                 "--chameleon-metrics-file", "--chameleon-ft"):
+                 "--chameleon-metrics-file"):
         assert flag in out
+    assert "--chameleon-ft" not in out and "--chameleon-inject-fault" not in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chameleon-ft"], "unrecognized arguments: --chameleon-ft"),
+    (["--chameleon-swap-budget-fraction", "2"], "swap.budget_fraction=2.0"),
+    (["PRESET"], "ft.enabled=True: in-process recovery needs chameleon-pretrain-gpt"),
+])
+def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
+        standin, tmp_path, flags, message):
+    ckpt, env = standin
+    preset = tmp_path / "ft.yaml"
+    preset.write_text("ft:\n  enabled: true\n")
+    flags = ["--chameleon-config", str(preset)] if flags == ["PRESET"] else flags
+    run = subprocess.run([sys.executable, str(tmp_path / "driver.py"),
+                          str(ckpt / "pretrain_gpt.py"), *flags],
+                         env={**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port()), "OUT": str(tmp_path)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "rank0.json").exists()  # pretrain() never got to the model
 
 
 def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
@@ -459,7 +496,9 @@ def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
     # YAML megatron section -> defaults, CLI wins; same for chameleon sections.
     assert (rank0["num_layers"], rank0["hidden_size"], rank0["budget_fraction"]) == (3, 128, 0.75)
+    # the seams, and on this CPU host the platform's stand-ins, are restored afterwards
     assert rank0["restored"] and rank1["restored"]
+    assert rank0["cuda_restored"] and rank1["cuda_restored"]
     steps = [["enter", 0, True], ["exit", 0, True], ["enter", 1, True], ["exit", 1, True],
              ["enter", 1, False], ["exit", 1, False], ["enter", 2, True], ["exit", 2, True],
              ["end"]]
@@ -482,38 +521,20 @@ def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
 
 # ----------------------------------------------------------- a real Megatron-LM checkout
 
-REAL = os.environ.get("CHAMELEON_MEGATRON_LM")
-needs_real = pytest.mark.skipif(not REAL, reason="set CHAMELEON_MEGATRON_LM to a Megatron-LM checkout")
-
-# Megatron-LM asserts CUDA during start-up. For a CPU run, these stand-ins (test only) let it
-# start; compute runs through chameleon_megatron's CPU platform patches.
-CPU_DRIVER = '''\
-import contextlib, runpy, sys, types
-import torch
-from chameleon_megatron.megatron.platform import CpuPlatform
-CpuPlatform().apply()
-stream = types.SimpleNamespace(wait_stream=lambda *a: None, synchronize=lambda: None)
-for name, value in dict(is_available=lambda: True, device_count=lambda: 1,
-                        set_device=lambda *a, **k: None, empty_cache=lambda: None,
-                        Stream=lambda *a, **k: stream, current_stream=lambda *a, **k: stream,
-                        stream=lambda *a, **k: contextlib.nullcontext()).items():
-    setattr(torch.cuda, name, value)
-import megatron.core.datasets.utils as dataset_utils
-dataset_utils.compile_helpers = lambda: None
-try:  # 0.16 builds CUDA kernels at start-up; 0.17 has no megatron.legacy.fused_kernels
-    import megatron.legacy.fused_kernels as fused_kernels
-    fused_kernels.load = lambda args: None
-except ModuleNotFoundError:
-    pass
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+SHARED = REPO.parent / "shared" / "megatron-lm"
+REAL = os.environ.get("CHAMELEON_MEGATRON_LM") or (str(SHARED) if SHARED.is_dir() else None)
+needs_real = pytest.mark.skipif(
+    not REAL, reason="no Megatron-LM checkout: set CHAMELEON_MEGATRON_LM or put one next to the "
+                     "repository (shared/megatron-lm)")
 
 
 @pytest.fixture
 def real_checkout(tmp_path):
+    """A patched copy of the checkout (the original is never written)."""
     ckpt = tmp_path / "Megatron-LM"
     shutil.copytree(REAL, ckpt, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    for path in [ckpt, *ckpt.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o200)  # the shared checkout is read-only
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ckpt), str(REPO), os.environ.get("PYTHONPATH", "")])}
     return ckpt, env
@@ -524,34 +545,39 @@ def real_checkout(tmp_path):
 def test_real_checkout_patch_round_trip_and_help(real_checkout):
     ckpt, env = real_checkout
     original = script_bytes(ckpt)
+    assert patch.status(ckpt) == "unpatched"
+    diff = patch.diff(ckpt)
+    assert "+    pretrain = _chameleon_wrap(pretrain)" in diff.splitlines()
+    assert script_bytes(ckpt) == original  # diff writes nothing
     assert patch.apply(ckpt) is True
     assert patch.apply(ckpt) is False
+    assert patch.status(ckpt) == "patched"
     help_text = subprocess.run([sys.executable, str(ckpt / "pretrain_gpt.py"), "--help"],
                                env=env, cwd=ckpt, capture_output=True, text=True, timeout=240)
     assert help_text.returncode == 0, help_text.stderr[-3000:]
     for flag in ("--chameleon-config", "--chameleon-swap", "--chameleon-metrics-file"):
         assert flag in help_text.stdout
+    assert "--chameleon-ft" not in help_text.stdout
     assert patch.remove(ckpt) is True
     assert script_bytes(ckpt) == original
+    assert patch.status(ckpt) == "unpatched"
 
 
-def run_real_cpu(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[dict], str]:
-    """Megatron-LM's pretrain_gpt.py on 2 CPU ranks (PP2, 4 iterations); (records, log)."""
-    flags = (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
-        "--train-iters 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
-        "--distributed-backend gloo --pipeline-model-parallel-size 2 --transformer-impl local "
-        "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
-        "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --rerun-mode disabled "
-        "--log-interval 1 --eval-interval 2 --eval-iters 1"
-    ).split()
+# What a GPU user runs (a tiny model): on this CPU host, no flag is added for the CPU.
+USER_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
+    "--train-iters 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--log-interval 1 --eval-interval 2 --eval-iters 1"
+).split()
+
+
+def run_real(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[dict], str]:
+    """Megatron-LM's pretrain_gpt.py under torchrun on 2 CPU ranks; (records, log)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(out.parent / "cpu_driver.py"), "pretrain_gpt.py", *flags,
-           "--chameleon-metrics-file", str(out), *extra]
-    run = subprocess.Popen(cmd, env={**env, "TORCHDYNAMO_DISABLE": "1"}, cwd=ckpt, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+           "pretrain_gpt.py", *USER_FLAGS, "--chameleon-metrics-file", str(out), *extra]
+    run = subprocess.Popen(cmd, env=env, cwd=ckpt, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, start_new_session=True)
     try:
         log = run.communicate(timeout=250)[0]
     finally:  # torchrun's workers go with it
@@ -562,28 +588,52 @@ def run_real_cpu(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[di
     return [json.loads(line) for line in out.read_text().splitlines()], log
 
 
+def readme_recipe() -> list[str]:
+    """The commands of README's Megatron-LM block (continuation lines joined)."""
+    section = (REPO / "README.md").read_text().split("## Megatron-LM", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
 @needs_real
 @pytest.mark.timeout(600)
-def test_real_checkout_trains_on_cpu_with_and_without_swap(real_checkout, tmp_path):
+def test_readme_recipe_runs_as_written_and_swap_keeps_the_losses(real_checkout):
+    """README's CPU recipe (PP2, swap), as written, on a copy of the checkout; then the same
+    run without swap: the losses are bitwise equal, and Megatron-LM's own log agrees."""
     ckpt, env = real_checkout
-    patch.apply(ckpt)
-    import megatron.core.datasets as installed_datasets  # the compiled dataset helpers
-
-    for lib in Path(installed_datasets.__file__).parent.glob("helpers_cpp*.so"):
-        shutil.copy(lib, ckpt / "megatron" / "core" / "datasets")
-    (tmp_path / "cpu_driver.py").write_text(CPU_DRIVER)
-    plain, log = run_real_cpu(ckpt, env, tmp_path / "plain.jsonl")
+    install, apply, train = readme_recipe()
+    assert install == "pip install -e '.[megatron-lm]'"  # what scripts/setup_env.sh did
+    here = {**env, "PATH": os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])}
+    for command, cwd in ((apply, REPO), (train, ckpt)):
+        run = subprocess.run(["bash", "-c", command.replace("/path/to/Megatron-LM", str(ckpt))],
+                             cwd=cwd, env=here, capture_output=True, text=True, timeout=250)
+        assert run.returncode == 0, (command, (run.stdout + run.stderr)[-6000:])
+    swapped = [json.loads(line) for line in (ckpt / "runs" / "swap.jsonl").read_text().splitlines()]
+    assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
+    plain, log = run_real(ckpt, env, ckpt / "runs" / "plain.jsonl",
+                          "--pipeline-model-parallel-size", "2")
     assert [(r["iteration"], r["consumed_samples"], r["layout"]) for r in plain] == [
         (i, 8 * i, {"tp": 1, "pp": 2, "vpp": 1, "dp": 1}) for i in (1, 2, 3, 4)]
-    assert all("swap" not in r for r in plain)
-    # Megatron-LM's own log lines (the last rank's) show the losses rank 0 recorded; its
-    # line for iteration 2 averages iterations 1 and 2, lines 1 and 3 hold one step each.
+    assert [r["loss"] for r in swapped] == [r["loss"] for r in plain]
+    assert "no CUDA: Megatron-LM's training runs on the CPU (gloo)" in log
+    # Megatron-LM's own log lines show the losses rank 0 recorded; its line for iteration 2
+    # averages iterations 1 and 2, lines 1 and 3 hold one step each.
     for i in (0, 2):
         assert f"iteration        {i + 1}/       4 |" in log
         assert f"lm loss: {plain[i]['loss']:.6E}" in log
 
-    swapped, _ = run_real_cpu(ckpt, env, tmp_path / "swap.jsonl",
-                              "--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024")
+
+@needs_real
+@pytest.mark.timeout(600)
+def test_real_checkout_trains_dp2_on_cpu_with_and_without_swap(real_checkout, tmp_path):
+    ckpt, env = real_checkout
+    patch.apply(ckpt)
+    plain, _ = run_real(ckpt, env, tmp_path / "plain.jsonl")
+    assert [(r["iteration"], r["consumed_samples"], r["layout"]) for r in plain] == [
+        (i, 8 * i, {"tp": 1, "pp": 1, "vpp": 1, "dp": 2}) for i in (1, 2, 3, 4)]
+    assert all("swap" not in r for r in plain)
+    swapped, _ = run_real(ckpt, env, tmp_path / "swap.jsonl",
+                          "--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024")
     # Swapping moves saved activations to host memory and back: losses stay bitwise equal.
     assert [r["loss"] for r in swapped] == [r["loss"] for r in plain]
     assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
