@@ -12,7 +12,7 @@ While ``pretrain()`` runs on a host without CUDA (``lm_cpu_platform``):
   megatron-core wheel's, else built with Megatron-LM's ``make``), while the fused CUDA
   kernels, which need nvcc, are not;
 * the ``torch.cuda`` functions that ``megatron.training`` calls unconditionally on its way
-  (streams around the training loop, ``empty_cache``, ``set_device``) become no-ops, and
+  (``empty_cache``, ``set_device``; streams are ``CpuPlatform``'s) become no-ops, and
   ``device_count`` says 1 (one "device" per process: megatron builds its parallel state
   only when it counts a device). ``torch.cuda.is_available()`` keeps saying False.
 
@@ -35,7 +35,7 @@ import importlib.util
 import logging
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import torch
@@ -46,18 +46,14 @@ logger = logging.getLogger(__name__)
 
 HELPERS = "megatron.core.datasets.helpers_cpp"
 HELPERS_DIR = "megatron/core/datasets"
-_STREAM = SimpleNamespace(wait_stream=lambda *a, **k: None, synchronize=lambda: None,
-                          wait_event=lambda *a, **k: None, record_event=lambda *a, **k: None)
 CUDA_STAND_INS: dict[str, Callable[..., Any]] = {
     # _initialize_distributed builds megatron's parallel state only when it sees a device
     "device_count": lambda: 1,
     "set_device": lambda *a, **k: None,
     "empty_cache": lambda: None,
-    "Stream": lambda *a, **k: _STREAM,
-    "current_stream": lambda *a, **k: _STREAM,
-    "stream": lambda *a, **k: contextlib.nullcontext(),
 }
-"""torch.cuda functions Megatron-LM's training code calls without asking for CUDA first."""
+"""torch.cuda functions Megatron-LM's training code calls without asking for CUDA first
+(streams are ``CpuPlatform``'s)."""
 
 
 CPU_DEFAULTS = {

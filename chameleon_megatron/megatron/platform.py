@@ -7,6 +7,8 @@ megatron-core assumes CUDA in a few places that matter for training. When CUDA i
   ``device=torch.cuda.current_device()`` (DDP's ``param_and_grad_buffer``, the distributed
   optimizer, ``parallel_state`` global memory buffer, pipeline p2p tensors).
 * ``torch.cuda.synchronize`` -> no-op: called by schedules/timers and the optimizer.
+* ``torch.cuda.Stream``, ``current_stream`` and ``stream`` -> ``NoStream`` and a null
+  context: megatron-core 0.19's DDP orders its grad reduction on the current stream.
 * ``megatron.core.tensor_parallel.random``: ``_get_cuda_rng_state``/``_set_cuda_rng_state``
   and ``CudaRNGStatesTracker.add``/``fork`` use the CPU generator, so the tensor-parallel
   RNG tracker (dropout inside TP regions, ``model_parallel_cuda_manual_seed``) works.
@@ -19,23 +21,23 @@ megatron-core assumes CUDA in a few places that matter for training. When CUDA i
   compile CUDA fusions that the trainer disables on CPU anyway.
 
 Patches are applied once per ``CpuPlatform`` (idempotent) and only when CUDA is unavailable;
-the megatron-core version is checked first because the call sites above are version-specific.
+each call site is checked first against what its replacement takes (``check_cpu_seams``),
+which is what differs between megatron-core releases (checked: 0.16.1, 0.19.2).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from importlib.metadata import version
 from typing import Any, Callable, Iterator
 
 import torch
-from packaging.version import Version
 from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MCORE = (Version("0.16.0"), Version("0.18.0"))  # [min, max)
 
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -74,6 +76,28 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+class NoStream:
+    """A CUDA stream on a host without CUDA: work is synchronous, so waits are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _no_compile(fn: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -134,12 +158,15 @@ class CpuPlatform:
             return True
         if torch.cuda.is_available():
             return False
-        check_megatron_version()
         self._set(torch, "compile", _no_compile)
         from megatron.core.tensor_parallel import random as mrandom
 
+        check_cpu_seams(mrandom)
         self._set(torch.cuda, "current_device", lambda: "cpu")
         self._set(torch.cuda, "synchronize", lambda *a, **k: None)
+        self._set(torch.cuda, "Stream", NoStream)
+        self._set(torch.cuda, "current_stream", lambda *a, **k: NoStream())
+        self._set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
         self._set(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
         self._set(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
         self._set(mrandom.CudaRNGStatesTracker, "add", _tracker_add)
@@ -163,16 +190,38 @@ class CpuPlatform:
         setattr(obj, name, value)
 
 
-def check_megatron_version() -> Version:
-    """The installed megatron-core version, or RuntimeError if the patches don't know it."""
-    v = Version(version("megatron-core"))
-    lo, hi = SUPPORTED_MCORE
-    if not lo <= v < hi:
-        raise RuntimeError(
-            f"megatron-core {v} is not supported by the CPU platform patches "
-            f"(supported: >= {lo}, < {hi})"
-        )
-    return v
+def _params(fn: Callable) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p != "self"]
+
+
+REPLACED = {
+    "_get_cuda_rng_state": {"device", "clone", "graph_safe"},
+    "_set_cuda_rng_state": {"new_state", "device", "graph_safe"},
+    "CudaRNGStatesTracker.add": {"name", "seed"},
+    "CudaRNGStatesTracker.fork": {"name"},
+}
+"""The call sites of megatron.core.tensor_parallel.random that the CPU patches replace, with
+the parameters their replacements take."""
+
+
+def check_cpu_seams(mrandom: Any) -> None:
+    """Each replaced call site, checked against what its replacement takes (not against a
+    version list): RuntimeError naming the first that does not fit."""
+    where = f"megatron-core {version('megatron-core')}: tensor_parallel.random"
+    for name, accepted in REPLACED.items():
+        fn: Any = mrandom
+        for part in name.split("."):
+            fn = getattr(fn, part, None)
+        if fn is None:
+            raise RuntimeError(f"{where}.{name} is missing; the CPU platform cannot replace it")
+        extra = [p for p in _params(fn) if p not in accepted]
+        if extra:
+            raise RuntimeError(f"{where}.{name} takes {extra}, which its CPU replacement does "
+                               f"not (it takes {sorted(accepted)})")
+    tracker = mrandom.CudaRNGStatesTracker()
+    if not (hasattr(tracker, "states_") and hasattr(tracker, "seeds_")):
+        raise RuntimeError(f"{where}.CudaRNGStatesTracker keeps no states_/seeds_, which the "
+                           "CPU add/fork use")
 
 
 @contextlib.contextmanager

@@ -1,15 +1,16 @@
 """Let megatron-core run without a working TransformerEngine (CPU, or a GPU without TE).
 
 Two gaps in megatron-core's own guards, both closed by ``TeAbsentPatch.apply()`` and undone
-by ``remove()`` (idempotent; the version check is shared with the CPU platform patches):
+by ``remove()`` (idempotent; both check what they patch, not a version):
 
 * TE that is installed but cannot load (its meta package alone, or shared libraries that do
   not match the CUDA found) raises RuntimeError or OSError at import, and megatron catches
   only ImportError. When TE does not import cleanly it is hidden (``sys.modules`` entries of
   None make every later import raise ImportError), so megatron takes its own paths.
-* megatron-core 0.16.x imports ``te_general_gemm`` into ``transformer.moe.moe_utils`` only
-  when TransformerEngine imports, yet its router reads the name unconditionally (it checks
-  ``te_general_gemm is not None``), so without TE the first MoE forward raises NameError.
+* megatron-core (0.16.x at least) imports ``te_general_gemm`` into
+  ``transformer.moe.moe_utils`` only when TransformerEngine imports, yet its router reads
+  the name unconditionally (it checks ``te_general_gemm is not None``), so without TE the
+  first MoE forward raises NameError.
   The name is defined as None when it is missing, which selects megatron's torch path.
 """
 
@@ -18,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
-
-from chameleon_megatron.megatron.platform import check_megatron_version
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,6 @@ class TeAbsentPatch:
             self._hidden = {m: sys.modules.get(m) for m in _TE_MODULES}
             for m in _TE_MODULES:
                 sys.modules[m] = None  # type: ignore[assignment]
-        check_megatron_version()
         from megatron.core.transformer.moe import moe_utils
 
         if not hasattr(moe_utils, "te_general_gemm"):

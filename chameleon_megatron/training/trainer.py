@@ -6,6 +6,7 @@ import argparse
 import copy
 import logging
 import time
+from importlib.metadata import version
 from typing import Any, Callable
 
 import torch
@@ -90,7 +91,9 @@ class Trainer:
         self._announce_model()
         self._log_start()
         self.metrics.write({"event": "run", "world_size": self.env.world_size,
-                            "args": _jsonable_args(args)})
+                            "args": _jsonable_args(args),
+                            "versions": {"torch": torch.__version__,
+                                         "megatron_core": version("megatron-core")}})
 
     def _build(self) -> None:
         """Model chunks, DDP, optimizer and LR schedule for the current parallel state."""

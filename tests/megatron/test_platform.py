@@ -54,7 +54,20 @@ def test_rng_tracker_forks_on_cpu_generator():
         assert torch.equal(after, outside)
 
 
-def test_version_check_refuses_unknown(monkeypatch):
-    monkeypatch.setattr(plat, "version", lambda name: "0.9.0")
-    with pytest.raises(RuntimeError, match="megatron-core 0.9.0 is not supported"):
-        plat.check_megatron_version()
+def test_the_installed_call_sites_fit_and_a_changed_one_is_refused_by_name(monkeypatch):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    plat.check_cpu_seams(mrandom)  # the installed megatron-core fits
+    monkeypatch.setattr(plat, "version", lambda name: "9.9.9")
+
+    def get_state(device="cuda", clone=False, stream=None):
+        return None
+
+    monkeypatch.setattr(mrandom, "_get_cuda_rng_state", get_state)
+    with pytest.raises(RuntimeError, match=r"megatron-core 9.9.9: tensor_parallel.random"
+                                           r"._get_cuda_rng_state takes \['stream'\]"):
+        plat.check_cpu_seams(mrandom)
+    monkeypatch.delattr(mrandom.CudaRNGStatesTracker, "fork")
+    monkeypatch.setattr(mrandom, "_get_cuda_rng_state", lambda device="cuda": None)
+    with pytest.raises(RuntimeError, match="CudaRNGStatesTracker.fork is missing"):
+        plat.check_cpu_seams(mrandom)
