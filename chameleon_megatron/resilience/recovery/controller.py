@@ -24,13 +24,12 @@ rebuild, transfers) happen here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +83,7 @@ from chameleon_megatron.resilience.store.announce import (
 )
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
+from chameleon_megatron.resilience.store.waits import barrier, wait_keys
 from chameleon_megatron.training.plugin import StepAction, TrainerHandle
 from chameleon_megatron.training.rng import rng_state, set_rng_state
 
@@ -173,6 +173,8 @@ class RecoveryController:
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
         self._window_s = 0.0
+        self._attempt_failures = 0
+        """Failures announced when the current attempt's membership was agreed."""
         """The current recovery attempt's window for each wait."""
 
     def watch(self) -> RecoveryController:
@@ -376,6 +378,7 @@ class RecoveryController:
                     clock = PhaseClock(self._failed_at(membership, abandoned))
                     clock.mark("detect", abandoned)
                 self.members = membership.members
+                self._attempt_failures = failure_count(self.job)
                 return self._attempt(trainer, held, timeouts, membership, clock)
             except (DeclaredFailed, RecoveryFailed, dist.DistNetworkError):
                 raise
@@ -394,6 +397,18 @@ class RecoveryController:
                 logger.warning({"event": "recovery_retry", "rank": self.me,
                                 "failed_generation": self.generation, "error": str(exc),
                                 "next_window_s": timeouts.rendezvous_s})
+
+    def _abandoned(self) -> bool:
+        """Whether the current attempt is over for everyone: a member asked for a retry,
+        or a rank failed since the membership was agreed."""
+        return self.job.store.check([_retry_key(self.generation)]) or \
+            failure_count(self.job) > self._attempt_failures
+
+    def _barrier(self, scope: Any, name: str, members: Sequence[int], seconds: float) -> None:
+        """All ``members`` reach ``name`` before a C++ rendezvous (group creation), which
+        cannot be left once entered: nobody waits there for a member already gone."""
+        barrier(scope, name, self.me, members, timeout_s=seconds, abandoned=self._abandoned,
+                on_wait=self._keepalive)
 
     def _failed_at(self, membership: Membership, abandoned: float) -> float:
         new = membership.failed - self.known_failed
@@ -430,14 +445,19 @@ class RecoveryController:
                  membership: Membership, clock: PhaseClock) -> bool:
         scope = self.job.scoped(f"gen/{membership.generation}")
         run_state.publish(scope, self.me, held.run)
-        states = run_state.read_all(scope, membership.members, timeouts.rendezvous_s)
+        wait_keys(scope, run_state.keys(membership.members), timeout_s=timeouts.rendezvous_s,
+                  abandoned=self._abandoned, on_wait=self._keepalive)
+        states = run_state.read_all(scope, membership.members)
         agreed = _agree(states)
         decision = self._decision(trainer, scope, membership, agreed, timeouts)
         clock.mark("decide")
+        self._barrier(scope, "members", membership.members, timeouts.rendezvous_s)
         self._keepalive()
         group = recovery_group(self.job, membership, self.me, timeout_s=timeouts.rendezvous_s)
         active = self.me in decision.active
         if active:
+            self._barrier(scope, "world", decision.active, timeouts.rendezvous_s)
+            self._keepalive()
             self._rebuild(trainer, membership, decision, timeouts)
         else:
             groups.destroy()
@@ -467,7 +487,8 @@ class RecoveryController:
         measured its step time) decides for everyone and publishes the decision."""
         if self.me == (agreed.fresh or membership.members)[0]:
             scope.set("decision", json.dumps(self._decide(trainer, membership, agreed)))
-        scope.wait(["decision"], datetime.timedelta(seconds=timeouts.rendezvous_s))
+        wait_keys(scope, ["decision"], timeout_s=timeouts.rendezvous_s,
+                  abandoned=self._abandoned, on_wait=self._keepalive)
         data = json.loads(scope.get("decision"))
         if "error" in data:
             raise RecoveryFailed(f"generation {membership.generation}: {data['error']}")

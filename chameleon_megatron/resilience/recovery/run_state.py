@@ -9,7 +9,6 @@ state must not be used as a source, and they redo nothing on their own.
 
 from __future__ import annotations
 
-import datetime
 import io
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -79,8 +78,11 @@ def publish(store: dist.Store, rank: int, state: RunState) -> None:
     store.set(f"state/{rank}", state.to_bytes())
 
 
-def read_all(store: dist.Store, members: tuple[int, ...], timeout_s: float) -> dict[int, RunState]:
-    """Every member's run state (waits for each to be published)."""
-    keys = [f"state/{r}" for r in members]
-    store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    return {r: RunState.from_bytes(store.get(k)) for r, k in zip(members, keys)}
+def keys(members: tuple[int, ...]) -> list[str]:
+    """The keys of the members' run states (wait for them before ``read_all``)."""
+    return [f"state/{r}" for r in members]
+
+
+def read_all(store: dist.Store, members: tuple[int, ...]) -> dict[int, RunState]:
+    """Every member's run state, once all are published."""
+    return {r: RunState.from_bytes(store.get(k)) for r, k in zip(members, keys(members))}
