@@ -472,7 +472,8 @@ class RecoveryController:
                     else _NoState())
             report = migrate(group, membership.members, self.me, decision.transfers,
                              old=held.view, new=sink, timeout_s=timeouts.rendezvous_s,
-                             store=self.job.scoped(f"gen/{membership.generation}/migrate"))
+                             store=self.job.scoped(f"gen/{membership.generation}/migrate"),
+                             abandoned=self._abandoned)
             moved = _group_sum(group, report.sent_bytes)
             if active:
                 _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))

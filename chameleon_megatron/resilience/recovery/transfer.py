@@ -16,18 +16,18 @@ did not, so that recovery can be retried from intact old state.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind, Transfer
+from chameleon_megatron.resilience.store.waits import wait_keys
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ class _Exchange:
 @torch.no_grad()
 def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
             transfers: Sequence[Transfer], *, old: StateView, new: StateView, store: dist.Store,
-            timeout_s: float) -> MigrationReport:
+            timeout_s: float,
+            abandoned: Callable[[], bool] = lambda: False) -> MigrationReport:
     """Run this rank's part of ``transfers`` (identical list on every member), then confirm.
 
     ``members``: the rank ids of the recovery group, in group-rank order; ``me`` is this
@@ -122,7 +123,8 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
     before senders wait in the store for what a dead receiver will never ask), after every
     sender has checked what its receivers want (so a mismatch fails fast, before anyone waits
     on a message that will not come), and after every transfer completed. ``store`` must be
-    private to this migration.
+    private to this migration; a sender's wait there ends early once ``abandoned()`` (the
+    recovery attempt is over).
     """
     start = time.perf_counter()
     _confirm(group, None, "start")
@@ -133,7 +135,7 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
         for idx, t in mine:
             if t.dst == me:
                 _publish_want(store, idx, t, new)
-        sending = {idx: _check_send(store, idx, t, old, timeout_s) for idx, t in mine
+        sending = {idx: _check_send(store, idx, t, old, timeout_s, abandoned) for idx, t in mine
                    if t.src == me}
     except Exception as exc:  # noqa: BLE001 - every member must still vote
         error = exc
@@ -165,10 +167,10 @@ def _publish_want(store: dist.Store, idx: int, t: Transfer, new: StateView) -> N
     store.set(f"want/{idx}", _spec(wanted))
 
 
-def _check_send(store: dist.Store, idx: int, t: Transfer, old: StateView,
-                timeout_s: float) -> list[torch.Tensor]:
+def _check_send(store: dist.Store, idx: int, t: Transfer, old: StateView, timeout_s: float,
+                abandoned: Callable[[], bool]) -> list[torch.Tensor]:
     """The tensors the receiver of transfer ``idx`` wants, in its order, checked."""
-    store.wait([f"want/{idx}"], datetime.timedelta(seconds=timeout_s))
+    wait_keys(store, [f"want/{idx}"], timeout_s=timeout_s, abandoned=abandoned)
     want = json.loads(store.get(f"want/{idx}"))
     where = f"transfer {idx} ({t.kind} of {t.layer!r}, {t.src}->{t.dst})"
     return _matching(old.tensors(t.layer, t.kind), want, where)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Callable
 
 import pytest
@@ -120,3 +121,17 @@ def test_a_member_that_never_takes_part_fails_the_migration_for_the_others() -> 
                        store=store, timeout_s=1.5)
     results = run_members(3, body, timeout_s=1.5)
     assert isinstance(results[0], MigrationError) and isinstance(results[1], MigrationError)
+
+
+def test_a_sender_waiting_for_a_receiver_leaves_when_the_attempt_is_abandoned() -> None:
+    """The receiver never says what it wants (it left the attempt): the sender's wait in the
+    store ends as soon as the attempt is abandoned, not after its timeout."""
+    from chameleon_megatron.resilience.recovery.transfer import _check_send
+    from chameleon_megatron.resilience.store.waits import Abandoned
+
+    store, start = dist.HashStore(), time.monotonic()
+    threading.Timer(0.2, lambda: store.set("retry", "1")).start()
+    with pytest.raises(Abandoned):
+        _check_send(store, 0, Transfer(0, 1, 0, "params", 48), old=None, timeout_s=60,
+                    abandoned=lambda: store.check(["retry"]))
+    assert time.monotonic() - start < 5
