@@ -130,12 +130,14 @@ def _compile_dependencies_cpu() -> None:
         _load_dataset_helpers()
 
 
-def _replace(module: ModuleType, name: str, value: Any, saved: list) -> None:
+def _replace(module: ModuleType, name: str, make: Callable[[Any], Any], saved: list) -> None:
+    """``module.name = make(original)``, once the original is known to exist."""
     if not hasattr(module, name):
         raise RuntimeError(f"{module.__name__}.{name} is missing: this Megatron-LM's training "
                            "code cannot run on CPU through chameleon_megatron")
-    saved.append((module, name, getattr(module, name)))
-    setattr(module, name, value)
+    original = getattr(module, name)
+    saved.append((module, name, original))
+    setattr(module, name, make(original))
 
 
 @contextlib.contextmanager
@@ -150,10 +152,10 @@ def lm_cpu_platform(training: ModuleType, initialize: ModuleType) -> Iterator[bo
     try:
         platform.apply()
         _replace(training, "initialize_megatron",
-                 functools.partial(training.initialize_megatron, allow_no_cuda=True), saved)
-        _replace(initialize, "_compile_dependencies", _compile_dependencies_cpu, saved)
+                 lambda init: functools.partial(init, allow_no_cuda=True), saved)
+        _replace(initialize, "_compile_dependencies", lambda _: _compile_dependencies_cpu, saved)
         for name, stand_in in CUDA_STAND_INS.items():
-            _replace(torch.cuda, name, stand_in, saved)
+            _replace(torch.cuda, name, lambda _, f=stand_in: f, saved)
         logger.info("no CUDA: Megatron-LM's training runs on the CPU (gloo)")
         yield True
     finally:
