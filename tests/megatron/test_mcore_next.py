@@ -35,7 +35,7 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--train-iters", "4"]
 
 def test_the_next_release_is_the_one_imported_and_its_seams_fit():
     probe = (
-        "import importlib.metadata as m, megatron.core\n"
+        "import megatron.core\n"
         "from megatron.core.tensor_parallel import random\n"
         "from megatron.core.pipeline_parallel import schedules\n"
         "from chameleon_megatron.megatron.platform import check_cpu_seams\n"

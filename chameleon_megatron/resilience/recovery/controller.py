@@ -173,9 +173,9 @@ class RecoveryController:
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
         self._window_s = 0.0
+        """The current recovery attempt's window for each wait."""
         self._attempt_failures = 0
         """Failures announced when the current attempt's membership was agreed."""
-        """The current recovery attempt's window for each wait."""
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
