@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400), pytest.mark.serial]
 
 
 def test_the_dry_run_runs_every_check_with_a_cpu_variant(tmp_path: Path) -> None:

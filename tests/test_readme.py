@@ -31,6 +31,7 @@ def test_ci_runs_the_readme_test_command():
     assert steps == [tests]
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(900)
 def test_demo_runs_as_written_and_shows_what_the_project_does():
     demo = two_commands()[0]

@@ -13,7 +13,7 @@ from chameleon_megatron.resilience.recovery.detector import FailureDetector
 from chameleon_megatron.resilience.store.heartbeat import read_beats
 from chameleon_megatron.resilience.store.job_store import JobStore
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 
 def test_build_use_and_tear_down_a_world() -> None:

@@ -63,6 +63,7 @@ def test_pp2_trains_with_swap_bitwise_and_computes_what_0_16_computes(tmp_path):
     assert all(r["swap"]["swapped_out_bytes"] > 0 for r in its[1:])
 
 
+@pytest.mark.serial
 def test_a_failed_rank_is_recovered_in_memory(tmp_path, monkeypatch):
     """4 ranks DP2 x PP2 on 0.19: rank 3 exits in step 3; the survivors re-plan and every
     step matches the failure-free run (same release)."""

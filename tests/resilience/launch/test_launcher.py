@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rt_support import free_port, guard_worker, run_launcher, start_launcher, stop  # noqa: E402
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300), pytest.mark.serial]
 
 # Start-up covers importing torch on a loaded 2-core machine (tens of seconds at worst).
 FT = ["--chameleon-ft", "--chameleon-ft-startup-timeout-s", "90"]

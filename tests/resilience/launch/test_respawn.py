@@ -19,7 +19,7 @@ from chameleon_megatron.resilience.store.env import JOIN_ENV
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import allocate_join_id, join_id_from_env
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.serial]
 
 # Start-up covers importing torch on a loaded 2-core machine (tens of seconds at worst).
 FT = ["--chameleon-ft", "--chameleon-ft-startup-timeout-s", "90",

@@ -32,7 +32,7 @@ from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.launch.nodes import NodeWatch
 from chameleon_megatron.resilience.launch.store_loss import StoreLost, relaunch_args
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
 ITERS = 16
 

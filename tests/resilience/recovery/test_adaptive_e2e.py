@@ -36,7 +36,7 @@ from rt_support import free_port, start_launcher, stop  # noqa: E402
 from chameleon_megatron.resilience.store.announce import read_failures
 from chameleon_megatron.resilience.store.job_store import JobStore
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
 
 ITERS = 14
 BATCH = ("--micro-batch-size", "1", "--global-batch-size", "16", "--eval-interval", "5",

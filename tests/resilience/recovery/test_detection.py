@@ -29,7 +29,7 @@ from chameleon_megatron.resilience.launch.nodes import (
 )
 from chameleon_megatron.resilience.recovery.regroup import DeclaredFailed, agree_membership
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.serial]
 
 
 def job() -> JobStore:

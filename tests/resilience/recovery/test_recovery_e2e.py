@@ -29,7 +29,7 @@ from e2e_support import (  # noqa: E402
 )
 from rt_support import run_launcher  # noqa: E402
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rt_support import guard_worker, run_launcher  # noqa: E402
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150), pytest.mark.serial]
 
 DIES_IN = {0: 0, 1: 1}
 """generation -> launch rank that exits during it (both are rank 0 of their world)."""

@@ -25,7 +25,7 @@ from e2e_support import (  # noqa: E402
 )
 from rt_support import run_launcher  # noqa: E402
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300), pytest.mark.serial]
 
 ITERS = 8
 SWAP = ["--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024",

@@ -15,7 +15,7 @@ from chameleon_megatron.megatron.groups import unregistered_gloo_group
 from chameleon_megatron.resilience.decision.restorer import Transfer
 from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 
 class DictView:
