@@ -16,6 +16,7 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import user_errors
 from chameleon_megatron.logs import setup_logging
 from chameleon_megatron.preflight import preflight
+from chameleon_megatron.resilience.launch.with_agent import end_with_agent
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import env_from_torchrun
 from chameleon_megatron.training.validate import validate_args
@@ -47,6 +48,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     # Heavy imports stay inside: checkpoint writers spawn helper processes that re-import
     # the main module, and bad flags should fail before torch and megatron are loaded.
     env = env_from_torchrun()
+    end_with_agent()  # under chameleon-run: no worker outlives its agent
     args, cfg = checked_args(argv, env.world_size, speak=env.rank == 0)
     from chameleon_megatron.megatron.platform import CpuPlatform
 

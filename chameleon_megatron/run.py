@@ -33,7 +33,7 @@ from chameleon_megatron.resilience.launch.store_loss import (
     relaunch_args,
     resume_directory,
 )
-from chameleon_megatron.resilience.store.env import AGENT_ENV, RELAUNCH_ENV
+from chameleon_megatron.resilience.store.env import AGENT_ENV, AGENT_PID_ENV, RELAUNCH_ENV
 
 logger = logging.getLogger("chameleon_megatron.run")  # also when run as __main__
 PROG = "chameleon-run"
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if ft.enabled:
             check_ft_launch(args)
             os.environ[AGENT_ENV] = "1"
+            os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end with it
     check_training_args(args)
     # torchrun logs a failed worker at ERROR; the line printed below says the same.
     logging.getLogger(torch_seams.LAUNCH_API_LOGGER).addFilter(
