@@ -49,6 +49,10 @@ class TrainContext:
     """Free-form handles (e.g. the optimizer) for plugins that need them."""
 
 
+AFTER_STEP = ("eval", "save")
+"""The collective work after a step, in order: its evaluation, then its checkpoint."""
+
+
 class TrainerHandle(Protocol):
     """What a plugin may see and do of the trainer, and nothing else: the recovery
     controller resumes it at a step, rebuilds it for a layout, installs a step engine and
@@ -61,6 +65,9 @@ class TrainerHandle(Protocol):
     """Completed iterations (read only: ``resume_at`` moves it)."""
     consumed_samples: int
     """Samples consumed by those iterations (read only)."""
+    after_step: str
+    """The work after step ``iteration`` (one of ``AFTER_STEP``) this rank is inside; ""
+    in a step or between steps (read only)."""
 
     @property
     def rank(self) -> int:
@@ -79,8 +86,9 @@ class TrainerHandle(Protocol):
         """The training dataset (sample order depends only on the consumed-sample count)."""
 
     def resume_at(self, *, iteration: int, consumed_samples: int,
-                  scheduler_state: dict[str, Any]) -> None:
-        """Continue after ``iteration`` completed steps (state already loaded)."""
+                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
+        """Continue after ``iteration`` completed steps (state already loaded), first with
+        the work after that step from phase ``after_step`` on (none when "")."""
 
     def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
                 hints: dict[str, Any] | None = None) -> None:

@@ -7,7 +7,7 @@ import copy
 import logging
 import time
 from importlib.metadata import version
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from chameleon_megatron.training.env import DistEnv, env_from_torchrun
 from chameleon_megatron.training.metrics import log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
 from chameleon_megatron.training.plugin import (
+    AFTER_STEP,
     StepAction,
     TrainContext,
     TrainerPlugin,
@@ -59,6 +60,11 @@ class Trainer:
         self.env = env or env_from_torchrun()
         self.iteration = 0
         self.consumed_samples = 0
+        self.after_step = ""
+        """The work after step ``iteration`` this rank is inside (``AFTER_STEP``), else ""."""
+        self._redo_after = ""
+        """Set by a recovery: the work after step ``iteration`` to run, from this phase, before
+        the next step."""
         self.history: list[dict[str, Any]] = []
         self.engine: StepEngine | None = None
         """Runs the steps instead of megatron's schedules while installed (``use_engine``)."""
@@ -129,6 +135,7 @@ class Trainer:
             return False
         self.iteration = resumed.iteration
         self.consumed_samples = resumed.consumed_samples
+        self._redo_after = ""  # a checkpoint is written after its step's evaluation
         return True
 
     def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
@@ -189,9 +196,10 @@ class Trainer:
         return self.datasets.train
 
     def resume_at(self, *, iteration: int, consumed_samples: int,
-                  scheduler_state: dict[str, Any]) -> None:
+                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
         self.iteration, self.consumed_samples = iteration, consumed_samples
         self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
+        self._redo_after = after_step
 
     def drop_final_save(self) -> None:
         self.args = copy.copy(self.args)
@@ -315,6 +323,12 @@ class Trainer:
         if any(p.on_train_start(self) == "stop" for p in self.plugins):
             return self.history
         while self.iteration < self.args.train_iters:
+            if self._redo_after:  # a recovery during the work after the last step
+                follow = self._after_step_work(self._take_redo_after())
+                if follow == "stop":
+                    break
+                if follow == "redo":
+                    continue
             action = self._guarded(self.train_one)
             if action == "stop":
                 break
@@ -345,36 +359,52 @@ class Trainer:
         return "stop" if "stop" in actions else None
 
     def _after_iteration(self, rec: dict[str, Any]) -> StepAction | None:
-        """The step's record, then its evaluation and checkpoint when due; "stop" or "redo"
-        when a failure during those ended them (see ``_until_done``)."""
+        """The step's record, then its evaluation and checkpoint when due."""
         a = self.args
         self.emit(rec)
         if self.env.rank == 0 and (self.iteration % a.log_interval == 0
                                    or self.iteration == a.train_iters):
             logger.info(log_line(rec, a.train_iters))
-        if a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0:
-            action = self._until_done(lambda: self.emit(self.evaluate()))
-            if action is not None:
+        return self._after_step_work(AFTER_STEP[0])
+
+    def _after_step_work(self, start: str) -> StepAction | None:
+        """The work after this step that is due, from phase ``start`` on. A failure during it
+        is recovered like one in a step: "redo" then means that every member runs it again
+        from the phase they agreed on (``_redo_after``), or the step after a checkpoint
+        fallback; "stop" that this rank left (a spare at the job's end)."""
+        iteration = self.iteration
+        for phase in AFTER_STEP[AFTER_STEP.index(start):]:
+            if not self._due(phase):
+                continue
+            self.after_step = phase
+            try:
+                action = self._guarded(self._evaluate_and_emit if phase == "eval" else self.save)
+            finally:
+                self.after_step = ""
+            if action == "stop":
                 return action
-        if a.save and (self.iteration == a.train_iters
-                       or (a.save_interval and self.iteration % a.save_interval == 0)):
-            return self._until_done(self.save)
+            if action is not None:
+                if self.iteration == iteration and not self._redo_after:
+                    self._redo_after = phase  # redone here alone (no recovery agreed on it)
+                return "redo"
         return None
 
-    def _until_done(self, work: Callable[[], None]) -> StepAction | None:
-        """Collective work between steps (an evaluation, a checkpoint), redone in the new
-        layout when a peer fails during it and the plugins recover. "stop": this rank left
-        (a spare at the job's end); "redo": the recovery went back to an earlier step (a
-        checkpoint fallback), which the loop runs again."""
-        iteration = self.iteration
-        while True:
-            action = self._guarded(work)
-            if action is None:
-                return None
-            if action == "stop" or self.iteration != iteration:
-                return action
-            if self.env.rank == 0:
-                logger.info("the work after step %d is redone in the new layout", iteration)
+    def _due(self, phase: str) -> bool:
+        a = self.args
+        if phase == "eval":
+            return bool(a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0)
+        return bool(a.save and (self.iteration == a.train_iters
+                                or (a.save_interval and self.iteration % a.save_interval == 0)))
+
+    def _evaluate_and_emit(self) -> None:
+        self.emit(self.evaluate())
+
+    def _take_redo_after(self) -> str:
+        phase, self._redo_after = self._redo_after, ""
+        if self.env.rank == 0:
+            logger.info("the work after step %d is redone from its %s in the new layout",
+                        self.iteration, "evaluation" if phase == "eval" else "checkpoint")
+        return phase
 
     def save(self) -> None:
         for plugin in self.plugins:

@@ -119,7 +119,8 @@ class Held:
     @classmethod
     def of(cls, trainer: TrainerHandle, rng: dict[str, Any]) -> Held:
         run = RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-                       scheduler=trainer.scheduler_state(), rng=rng)
+                       scheduler=trainer.scheduler_state(), rng=rng,
+                       after_step=trainer.after_step)
         model, optimizer = trainer.model_and_optimizer()
         return cls(run, ModelState(model, optimizer, role="source"), (model, optimizer))
 
@@ -628,7 +629,7 @@ def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunStat
                donor: int | None) -> None:
     """The run state of the newest completed step: position, LR schedule, RNG streams."""
     trainer.resume_at(iteration=agreed.iteration, consumed_samples=agreed.consumed_samples,
-                      scheduler_state=agreed.scheduler)
+                      scheduler_state=agreed.scheduler, after_step=agreed.after_step)
     if donor is not None:
         set_rng_state(states[donor].rng)
 

@@ -5,6 +5,11 @@ applied step k, others (those that talked to the dead rank) have not. Each membe
 its run state in the generation's store; the job resumes at the newest step K any member
 completed, from members at K (the *fresh* ones). Members behind K are *stale*: their model
 state must not be used as a source, and they redo nothing on their own.
+
+The work after step K (evaluation, checkpoint) is collective too, yet a member can finish
+it and start step K+1 while another still waits in it (e.g. on a gather whose root lost a
+peer). Every member resumes it from the earliest phase a fresh member had not finished, so
+that all run the same collectives in the new layout.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+
+from chameleon_megatron.training.plugin import AFTER_STEP
 
 
 @dataclass(frozen=True)
@@ -28,11 +35,14 @@ class RunState:
     """The LR scheduler's ``state_dict()``."""
     rng: dict[str, Any] = field(default_factory=dict)
     """RNG states (CPU, CUDA, megatron's tensor-parallel tracker), opaque here."""
+    after_step: str = ""
+    """The work after step ``iteration`` this rank was inside (``AFTER_STEP``); "" if none."""
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save({"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                    "scheduler": self.scheduler, "rng": self.rng}, buf)
+                    "scheduler": self.scheduler, "rng": self.rng,
+                    "after_step": self.after_step}, buf)
         return buf.getvalue()
 
     @classmethod
@@ -52,6 +62,9 @@ class Agreed:
     """Members whose model state is at ``iteration`` (usable as transfer sources)."""
     stale: tuple[int, ...]
     """Members behind it (their model state is discarded)."""
+    after_step: str = ""
+    """The work after step ``iteration`` every member redoes from this phase on, before the
+    next step: the earliest a fresh member was inside ("" : none was)."""
 
 
 def agree(states: Mapping[int, RunState]) -> Agreed:
@@ -68,9 +81,11 @@ def agree(states: Mapping[int, RunState]) -> Agreed:
             raise ValueError(f"ranks {fresh[0]} and {r} are both at iteration {newest} but "
                              f"consumed {ref.consumed_samples} vs {states[r].consumed_samples} "
                              "samples")
+    pending = [states[r].after_step for r in fresh if states[r].after_step]
     return Agreed(iteration=newest, consumed_samples=ref.consumed_samples,
                   scheduler=ref.scheduler, fresh=fresh,
-                  stale=tuple(sorted(r for r in states if r not in fresh)))
+                  stale=tuple(sorted(r for r in states if r not in fresh)),
+                  after_step=min(pending, key=AFTER_STEP.index, default=""))
 
 
 def publish(store: dist.Store, rank: int, state: RunState) -> None:

@@ -48,3 +48,19 @@ def test_states_round_trip_through_the_store_with_rng_tensors() -> None:
     assert back[1] == RunState(6, 48)
     assert back[3].iteration == 7 and torch.equal(back[3].rng["torch"], rng["torch"])
     assert torch.equal(back[3].rng["tracker"]["model-parallel-rng"], torch.arange(4))
+
+
+def test_the_work_after_the_step_resumes_from_the_earliest_phase_a_fresh_member_was_in() -> None:
+    """Rank 0 still waits in the evaluation after step 5, rank 1 reached the checkpoint,
+    rank 2 finished both and started step 6, rank 3 (stale, behind) was evaluating step 4:
+    everyone redoes the work after step 5 from its evaluation."""
+    states = {0: RunState(5, 40, after_step="eval"), 1: RunState(5, 40, after_step="save"),
+              2: RunState(5, 40), 3: RunState(4, 32, after_step="eval")}
+    assert agree(states).after_step == "eval"
+    states[0] = RunState(5, 40)
+    assert agree(states).after_step == "save"  # rank 3's evaluation belongs to an older step
+    del states[1]
+    assert agree(states).after_step == ""
+    store = dist.HashStore()
+    publish(store, 1, RunState(5, 40, after_step="save"))
+    assert read_all(store, (1,))[1].after_step == "save"
