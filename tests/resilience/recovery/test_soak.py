@@ -1,46 +1,61 @@
 """Soak: one job through a seeded random sequence of failures, against a failure-free run.
 
-8 ranks (DP4 x PP2), 200 steps, evaluation every 10 steps, a checkpoint every 20. Every
-launch rank fails once (exit, hang or exception), in forward, backward, optimizer, recovery,
-evaluation or checkpoint save, one of them in the first 3 steps, some back to back; the
-agent restarts each failed worker, which joins the job again. Every step runs once (a step
-every survivor applied before the failure surfaced is kept, not redone), every loss is the
-reference's, every rank holding the model at the end holds the reference's weights and Adam
-moments, and nothing is left running.
+8 ranks (DP4 x PP2) on 4 nodes (chameleon-run agents of 2 workers, a static rendezvous),
+200 steps, evaluation every 10 steps, a checkpoint every 20. Every launch rank fails once
+(exit, hang or exception), in forward, backward, optimizer, recovery, evaluation or
+checkpoint save, one of them in the first 3 steps, some back to back; its agent restarts it,
+and it joins the job again. Later a whole node's agent is SIGKILLed (never node 0, which
+hosts the job store): its workers end with it, the other agents announce the node lost, and
+a new node (a fifth chameleon-run, ``--chameleon-ft-join``) joins the job. Every step runs
+once (a step every survivor applied before the failure surfaced is kept, not redone), every
+loss is the reference's, every rank holding the model at the end holds the reference's
+weights and Adam moments, and nothing is left running.
 
 ``test_soak_random_seed`` draws a new seed and names it on failure;
 ``CHAMELEON_SOAK_SEED=<seed>`` replays one; ``test_soak_replays_seeds_that_found_bugs``
 replays the seeds that found bugs. The soak jobs (a few minutes each) run only with
-``CHAMELEON_SOAK=1``, not in the default suite yet (see ``FOUND_BUGS``); the schedule's own
-test is. Not covered here: a whole node's agent
-killed, and a new node joining (``launch/test_launcher.py``, ``test_adaptive_e2e.py``).
+``CHAMELEON_SOAK=1``; the schedule's own test always runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import random
+import re
+import signal
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from e2e_support import FT, assert_losses_match, faults, launch, run_reference  # noqa: E402
+from e2e_support import (  # noqa: E402
+    FT, assert_losses_match, faults, job_args, outcome, run_reference,
+)
+from rt_support import free_port, start_launcher, stop  # noqa: E402
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+from chameleon_megatron.resilience.store.announce import read_failures
+from chameleon_megatron.resilience.store.job_store import JobStore
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900), pytest.mark.serial]
 soak_job = pytest.mark.skipif(not os.environ.get("CHAMELEON_SOAK"),
                               reason="soak jobs run with CHAMELEON_SOAK=1")
 
 ITERS = 200
 RANKS = 8
+NODES = 4
+PER_NODE = RANKS // NODES
 EVAL_EVERY, SAVE_EVERY = 10, 20
 FLAGS = ("--micro-batch-size", "1", "--global-batch-size", "16", "--eval-interval",
          str(EVAL_EVERY), "--eval-iters", "1")
 TIED = {"output|output_layer.weight": "embedding|word_embeddings.weight"}
 """A last stage's copy of the tied word embeddings (one process has none)."""
-FOUND_BUGS = (384601,)
+FOUND_BUGS = (384601, 12345)
 """Seeds that found a bug. 384601: after a hang and a failure during its recovery, members of
 one attempt stayed blocked in gloo's rendezvous of the new world (store waits, which the
 retry key did not interrupt) while others moved on; each then waited out a doubled window in
@@ -49,7 +64,11 @@ when the attempt is abandoned, and pass a store barrier before each group rendez
 that (and the tests' 20 s windows) the seed passes (3 min, 13 recoveries), though no
 abandoned wait fired in that replay, so it does not prove which change made the difference.
 Fixed on the way: joiners waited with their start-up window (160 s, the members' 12 s) and a
-heartbeat hold shorter than their window, and were killed as hung."""
+heartbeat hold shorter than their window, and were killed as hung. 12345 (4 nodes, a node
+joining): rank 2 failed at the start of the evaluation after step 80; one member redid the
+evaluation after the recovery while the others went on to step 81, each waited out a group
+timeout, abandoned, and did the same again, forever. Members now agree on the work after the
+step to redo (``run_state.agree``)."""
 
 
 def schedule(seed: int) -> list[str]:
@@ -84,6 +103,33 @@ def schedule(seed: int) -> list[str]:
     return out
 
 
+
+@dataclass(frozen=True)
+class NodeEvents:
+    join_after: int
+    """A new node starts joining once the job has passed this step."""
+    node: int
+    """The launch node whose agent is killed (never 0: it hosts the job store)..."""
+    kill_after: int
+    """...once the job has passed this step: after both of its ranks' faults (so that it
+    kills their restarted workers), before the last 10."""
+
+
+def node_events(seed: int, plan: list[str]) -> NodeEvents:
+    rng = random.Random(f"{seed}/node")
+    node = rng.randrange(1, NODES)
+    mine = [_iteration(f) for f in plan if _rank(f) // PER_NODE == node]
+    return NodeEvents(join_after=rng.randrange(20, 60), node=node,
+                      kill_after=rng.randrange(min(max(mine) + 8, ITERS - 11), ITERS - 10))
+
+
+def _rank(fault: str) -> int:
+    return int(fault.split(",")[0].split("=")[1])
+
+
+def _iteration(fault: str) -> int:
+    return int(fault.split("iteration=")[1].split(",")[0])
+
 def test_the_schedule_covers_what_the_soak_promises() -> None:
     for seed in range(50):
         plan = schedule(seed)
@@ -96,6 +142,10 @@ def test_the_schedule_covers_what_the_soak_promises() -> None:
         assert all("kind=hang" not in p for p in plan
                    if "phase=eval" in p or "phase=save" in p or "phase=recovery" in p
                    or int(p.split("iteration=")[1].split(",")[0]) <= 3)
+        events = node_events(seed, plan)
+        mine = [_iteration(p) for p in plan if _rank(p) // PER_NODE == events.node]
+        assert 0 < events.node < NODES and len(mine) == PER_NODE, (seed, events, plan)
+        assert max(mine) < events.kill_after < ITERS - 9, (seed, events, plan)
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +156,79 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float
 def soak(seed: int, reference, tmp: Path) -> None:
     ref_losses, ref_dump = reference
     plan = schedule(seed)
+    events = node_events(seed, plan)
     try:
-        recs, dumps, log = launch(tmp, RANKS, [
-            "--pipeline-model-parallel-size", "2", *FLAGS, "--save", str(tmp / "ckpt"),
-            "--save-interval", str(SAVE_EVERY), *FT, "--chameleon-ft-startup-timeout-s", "40",
-            "--chameleon-ft-respawns", str(RANKS), "--chameleon-ft-respawn-delay-s", "0",
-            *faults(*plan)], timeout_s=840, iters=ITERS)
+        recs, dumps, log = run_nodes(tmp, plan, events)
         check(recs, dumps, log, ref_losses, ref_dump)
+        joined = {int(i) for i in re.findall(r'"event": "spawn", "join_id": (\d+)',
+                                             (tmp / "log-join").read_text())}
+        grown = {j for r in recs if r["event"] == "recovery" for j in r.get("joined", [])}
+        assert len(joined) == PER_NODE and joined <= grown, ("joining node", joined, grown)
+        assert "node lost: rank" in log, "no rank announced with its lost node"
     except AssertionError as exc:
         raise AssertionError(f"soak seed {seed} (CHAMELEON_SOAK_SEED={seed} replays it), "
-                             f"faults {plan}: {exc}") from None
+                             f"faults {plan}, {events}: {exc}") from None
+
+
+def run_nodes(tmp: Path, plan: list[str], events: NodeEvents) -> tuple[list, dict, str]:
+    """The job on NODES agents, a fifth joining it after ``events.join_after``; after
+    ``events.kill_after`` the agent of ``events.node`` is SIGKILLed (only the agent: its
+    workers must end with it) and the others must announce the node lost. (records, dumps
+    by launch rank, every agent's log)."""
+    port = free_port()
+    rdzv = [f"--nnodes={NODES}", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--rdzv-id=soak"]
+    args = job_args(tmp, PER_NODE, [
+        "--pipeline-model-parallel-size", "2", *FLAGS, "--save", str(tmp / "ckpt"),
+        "--save-interval", str(SAVE_EVERY), *FT, "--chameleon-ft-startup-timeout-s", "40",
+        "--chameleon-ft-node-timeout-s", "10", "--chameleon-ft-respawns", str(RANKS),
+        "--chameleon-ft-respawn-delay-s", "0", *faults(*plan)], ITERS)
+    logs = [tmp / f"log{g}" for g in range(NODES)] + [tmp / "log-join"]
+    agents = [start_launcher([f"--node-rank={g}", *rdzv, *args], logs[g]) for g in range(NODES)]
+    try:
+        _wait_for(lambda: _last_step(tmp) > events.join_after, agents, 300, "the join step")
+        agents.append(start_launcher(["--nnodes=1", *rdzv[1:], *args, "--chameleon-ft-join"],
+                                     logs[-1]))
+        _wait_for(lambda: _last_step(tmp) > events.kill_after, agents, 600, "the kill step")
+        os.kill(agents[events.node].pid, signal.SIGKILL)
+        job = JobStore.connect("127.0.0.1", port, "soak", timeout_s=60)
+        others = [a for g, a in enumerate(agents) if g != events.node]
+        _wait_for(lambda: any(f.reason == "node" for f in read_failures(job)), others, 120,
+                  f"node {events.node} announced lost")
+        for g, agent in enumerate(agents):
+            code = agent.wait(timeout=600)
+            assert code == (-signal.SIGKILL if g == events.node else 0), (g, code, _tails(logs))
+    finally:
+        for agent in agents:
+            stop(agent)
+    (tmp / "log").write_text("".join(p.read_text() for p in logs if p.exists()))
+    return outcome(tmp)
+
+
+def _last_step(tmp: Path) -> int:
+    """The latest step recorded so far (the file is being written: a torn last line is
+    skipped)."""
+    metrics = tmp / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    steps = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if record.get("event") == "iteration":
+                steps.append(record["iteration"])
+    return max(steps, default=0)
+
+
+def _wait_for(done, agents: list, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        assert all(a.poll() is None for a in agents), f"an agent ended before {what}"
+        time.sleep(0.2)
+
+
+def _tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
 
 
 def check(recs: list[dict], dumps: dict, log: str, ref_losses: dict, ref_dump: dict) -> None:
