@@ -43,7 +43,7 @@ def end_with_agent(poll_s: float = 1.0) -> str | None:
 
 def _parent_death_signal(sig: signal.Signals) -> bool:
     name = ctypes.util.find_library("c")
-    if name is None or not hasattr(os, "getppid"):
+    if name is None:
         return False
     try:
         libc = ctypes.CDLL(name, use_errno=True)
