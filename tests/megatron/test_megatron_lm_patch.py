@@ -4,19 +4,14 @@ Without network or a checkout, the tests write a synthetic ``pretrain_gpt.py`` h
 the lines the patch keys on, and a small stand-in ``megatron.training`` package whose
 ``pretrain`` parses flags and runs a 3-iteration loop through the same three seams as
 Megatron-LM (setup_model_and_optimizer, get_forward_backward_func, train_step).
-With a real checkout (CHAMELEON_MEGATRON_LM, else ../shared/megatron-lm next to the repository,
-as on CI), the patch is also applied to a copy of it, and Megatron-LM's own pretrain_gpt.py
-trains on 2 CPU ranks (DP2 and PP2, with and without swap, README's recipe as written).
+A real checkout: ``test_megatron_lm_real.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,12 +23,11 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.config import add_chameleon_args, build_config
 from chameleon_megatron import megatron_lm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lm_support import REPO, patch, script_bytes  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("chameleon_patch_apply", REPO / "patches" / "apply.py")
-patch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(patch)
 
 SYNTHETIC_SCRIPT = '''\
 """Test stand-in for Megatron-LM's pretrain_gpt.py: only the lines the patch keys on."""
@@ -66,10 +60,6 @@ def make_checkout(root: Path, script: str = SYNTHETIC_SCRIPT, minor: int = 16) -
     (root / "megatron" / "core" / "package_info.py").write_text(PACKAGE_INFO.format(minor=minor))
     (root / "pretrain_gpt.py").write_bytes(script.encode())
     return root
-
-
-def script_bytes(checkout: Path) -> bytes:
-    return (checkout / "pretrain_gpt.py").read_bytes()
 
 
 # --------------------------------------------------------------------------- text level
@@ -517,123 +507,3 @@ def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
         ("iteration", 3, 12.0, 12, 2, layout, 9),
     ]
     assert all(r["step_time_s"] > 0 for r in records)
-
-
-# ----------------------------------------------------------- a real Megatron-LM checkout
-
-SHARED = REPO.parent / "shared" / "megatron-lm"
-REAL = os.environ.get("CHAMELEON_MEGATRON_LM") or (str(SHARED) if SHARED.is_dir() else None)
-needs_real = pytest.mark.skipif(
-    not REAL, reason="no Megatron-LM checkout: set CHAMELEON_MEGATRON_LM or put one next to the "
-                     "repository (shared/megatron-lm)")
-
-
-@pytest.fixture
-def real_checkout(tmp_path):
-    """A patched copy of the checkout (the original is never written)."""
-    ckpt = tmp_path / "Megatron-LM"
-    shutil.copytree(REAL, ckpt, ignore=shutil.ignore_patterns(".git", "__pycache__"))
-    for path in [ckpt, *ckpt.rglob("*")]:
-        path.chmod(path.stat().st_mode | 0o200)  # the shared checkout is read-only
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ckpt), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return ckpt, env
-
-
-@needs_real
-@pytest.mark.timeout(300)
-def test_real_checkout_patch_round_trip_and_help(real_checkout):
-    ckpt, env = real_checkout
-    original = script_bytes(ckpt)
-    assert patch.status(ckpt) == "unpatched"
-    diff = patch.diff(ckpt)
-    assert "+    pretrain = _chameleon_wrap(pretrain)" in diff.splitlines()
-    assert script_bytes(ckpt) == original  # diff writes nothing
-    assert patch.apply(ckpt) is True
-    assert patch.apply(ckpt) is False
-    assert patch.status(ckpt) == "patched"
-    help_text = subprocess.run([sys.executable, str(ckpt / "pretrain_gpt.py"), "--help"],
-                               env=env, cwd=ckpt, capture_output=True, text=True, timeout=240)
-    assert help_text.returncode == 0, help_text.stderr[-3000:]
-    for flag in ("--chameleon-config", "--chameleon-swap", "--chameleon-metrics-file"):
-        assert flag in help_text.stdout
-    assert "--chameleon-ft" not in help_text.stdout
-    assert patch.remove(ckpt) is True
-    assert script_bytes(ckpt) == original
-    assert patch.status(ckpt) == "unpatched"
-
-
-# What a GPU user runs (a tiny model): on this CPU host, no flag is added for the CPU.
-USER_FLAGS = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
-    "--train-iters 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
-    "--log-interval 1 --eval-interval 2 --eval-iters 1"
-).split()
-
-
-def run_real(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[dict], str]:
-    """Megatron-LM's pretrain_gpt.py under torchrun on 2 CPU ranks; (records, log)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "pretrain_gpt.py", *USER_FLAGS, "--chameleon-metrics-file", str(out), *extra]
-    run = subprocess.Popen(cmd, env=env, cwd=ckpt, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log = run.communicate(timeout=250)[0]
-    finally:  # torchrun's workers go with it
-        if run.poll() is None:
-            os.killpg(run.pid, 9)
-            run.wait()
-    assert run.returncode == 0, log[-6000:]
-    return [json.loads(line) for line in out.read_text().splitlines()], log
-
-
-def readme_recipe() -> list[str]:
-    """The commands of README's Megatron-LM block (continuation lines joined)."""
-    section = (REPO / "README.md").read_text().split("## Megatron-LM", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-@needs_real
-@pytest.mark.timeout(600)
-def test_readme_recipe_runs_as_written_and_swap_keeps_the_losses(real_checkout):
-    """README's CPU recipe (PP2, swap), as written, on a copy of the checkout; then the same
-    run without swap: the losses are bitwise equal, and Megatron-LM's own log agrees."""
-    ckpt, env = real_checkout
-    install, apply, train = readme_recipe()
-    assert install == "pip install -e '.[megatron-lm]'"  # what scripts/setup_env.sh did
-    here = {**env, "PATH": os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])}
-    for command, cwd in ((apply, REPO), (train, ckpt)):
-        run = subprocess.run(["bash", "-c", command.replace("/path/to/Megatron-LM", str(ckpt))],
-                             cwd=cwd, env=here, capture_output=True, text=True, timeout=250)
-        assert run.returncode == 0, (command, (run.stdout + run.stderr)[-6000:])
-    swapped = [json.loads(line) for line in (ckpt / "runs" / "swap.jsonl").read_text().splitlines()]
-    assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
-    plain, log = run_real(ckpt, env, ckpt / "runs" / "plain.jsonl",
-                          "--pipeline-model-parallel-size", "2")
-    assert [(r["iteration"], r["consumed_samples"], r["layout"]) for r in plain] == [
-        (i, 8 * i, {"tp": 1, "pp": 2, "vpp": 1, "dp": 1}) for i in (1, 2, 3, 4)]
-    assert [r["loss"] for r in swapped] == [r["loss"] for r in plain]
-    assert "no CUDA: Megatron-LM's training runs on the CPU (gloo)" in log
-    # Megatron-LM's own log lines show the losses rank 0 recorded; its line for iteration 2
-    # averages iterations 1 and 2, lines 1 and 3 hold one step each.
-    for i in (0, 2):
-        assert f"iteration        {i + 1}/       4 |" in log
-        assert f"lm loss: {plain[i]['loss']:.6E}" in log
-
-
-@needs_real
-@pytest.mark.timeout(600)
-def test_real_checkout_trains_dp2_on_cpu_with_and_without_swap(real_checkout, tmp_path):
-    ckpt, env = real_checkout
-    patch.apply(ckpt)
-    plain, _ = run_real(ckpt, env, tmp_path / "plain.jsonl")
-    assert [(r["iteration"], r["consumed_samples"], r["layout"]) for r in plain] == [
-        (i, 8 * i, {"tp": 1, "pp": 1, "vpp": 1, "dp": 2}) for i in (1, 2, 3, 4)]
-    assert all("swap" not in r for r in plain)
-    swapped, _ = run_real(ckpt, env, tmp_path / "swap.jsonl",
-                          "--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024")
-    # Swapping moves saved activations to host memory and back: losses stay bitwise equal.
-    assert [r["loss"] for r in swapped] == [r["loss"] for r in plain]
-    assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
