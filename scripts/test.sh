@@ -13,9 +13,9 @@ fi
 # deadlines) one after another, and every other test beside them. A job's processes leave
 # the cores idle about a third of the time; two recovery jobs never compete for them.
 others=$(mktemp)
-trap 'rm -f "$others"' EXIT
 "${pytest[@]}" -m "not serial" -p no:cacheprovider > "$others" 2>&1 &
 pid=$!
+trap 'kill "$pid" 2>/dev/null || true; rm -f "$others"' EXIT  # interrupted: no session left running
 status=0
 "${pytest[@]}" -m serial || status=$?
 wait "$pid" || status=$?

@@ -97,7 +97,7 @@ def schedule(seed: int) -> list[str]:
     # the last rank fails during the recovery that redoes the step of a later fault in
     # forward or backward (back to back)
     host = next(f for f in out[1:] if "phase=forward" in f or "phase=backward" in f)
-    redo = host.split("iteration=")[1].split(",")[0]
+    redo = _iteration(host)
     out.append(f"rank={ranks[7]},iteration={redo},phase=recovery,"
                f"kind={rng.choice(['exit', 'exception'])}")
     return out
@@ -137,11 +137,11 @@ def test_the_schedule_covers_what_the_soak_promises() -> None:
         text = " ".join(plan)
         for phase in ("forward", "backward", "optimizer", "eval", "save", "recovery"):
             assert f"phase={phase}" in text, (seed, plan)
-        its = [int(p.split("iteration=")[1].split(",")[0]) for p in plan]
+        its = [_iteration(p) for p in plan]
         assert min(its) <= 3 and max(its) < ITERS and "rank=0," in text, (seed, plan)
         assert all("kind=hang" not in p for p in plan
                    if "phase=eval" in p or "phase=save" in p or "phase=recovery" in p
-                   or int(p.split("iteration=")[1].split(",")[0]) <= 3)
+                   or _iteration(p) <= 3)
         events = node_events(seed, plan)
         mine = [_iteration(p) for p in plan if _rank(p) // PER_NODE == events.node]
         assert 0 < events.node < NODES and len(mine) == PER_NODE, (seed, events, plan)
