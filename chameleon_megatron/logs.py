@@ -81,3 +81,14 @@ def setup_logging(rank: int = 0, *, level: int = logging.INFO) -> None:
     logging.captureWarnings(True)  # warnings.warn goes through the handler and its filter
     for pattern in HARMLESS:  # shown by the filter at most once, not once per module
         warnings.filterwarnings("always" if rank == 0 else "ignore", message=f".*{pattern}")
+
+
+def log_ours(level: int = logging.INFO) -> None:
+    """Our records at ``level`` on stderr, in a process whose logging someone else set up
+    (the launcher's agent, Megatron-LM's training script): nothing else changes."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(RecordFormatter(FORMAT))
+    ours = logging.getLogger("chameleon_megatron")
+    ours.setLevel(level)
+    ours.addHandler(handler)
+    ours.propagate = False

@@ -6,23 +6,15 @@ The patch rebinds ``pretrain = wrap_pretrain(pretrain)`` at the top of the scrip
 * ``parse_args`` of ``megatron.training.arguments`` and ``.initialize`` chain our
   ``extra_args_provider``: every parse (``--help``, the in-process-restart check, the one in
   ``initialize_megatron``) knows ``--chameleon-config`` and the flags of ``COMPONENTS`` (swap,
-  metrics), and the preset's ``megatron`` section becomes parser defaults (as do the flags a
-  CPU needs, on a host without CUDA), so command-line flags still win. Each parse checks
-  the Chameleon config and ends a run it cannot serve with one line, before any work.
+  fault tolerance, metrics; not the fields of ``UNSUPPORTED``), and the preset's ``megatron``
+  section becomes parser defaults (as do the flags a CPU needs, on a host without CUDA), so
+  command-line flags still win. Each parse checks the Chameleon config against Megatron-LM's
+  arguments and ends a run it cannot serve with one line, before any work.
 * Without CUDA, ``lm_cpu_platform`` patches Megatron-LM's start-up for the CPU while
   ``pretrain()`` runs (``chameleon_megatron/megatron/lm_cpu.py``).
-* While the wrapped ``pretrain()`` runs, three functions of ``megatron.training.training``
-  that ``pretrain()`` and ``train()`` look up at call time are replaced (``MegatronLMHook``),
-  and restored when it returns or raises:
-
-  - ``setup_model_and_optimizer``: then the plugins are built from the Chameleon config and
-    see ``on_model_built`` with the DDP-wrapped chunks and the optimizer;
-  - ``get_forward_backward_func``: each call of the returned schedule (training and
-    evaluation) runs inside the plugins' ``step_context``;
-  - ``train_step``: after each step the plugins' ``metrics()`` are collected and, with
-    ``--chameleon-metrics-file``, rank 0 appends the iteration record.
-
-  ``on_train_end`` is called when ``pretrain()`` returns or raises.
+* While the wrapped ``pretrain()`` runs, ``MegatronLMHook`` (``training/lm_hook.py``) calls the
+  plugins from Megatron-LM's loop, which ``LMLoop`` (``training/lm_loop.py``) re-enters after a
+  recovery.
 
 This module imports nothing from ``megatron.training`` at import time, so it loads (and does
 nothing) where only megatron-core is installed.
@@ -31,17 +23,10 @@ nothing) where only megatron-core is installed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
-import logging
-import math
 import sys
-import time
-from types import ModuleType
-from typing import Any, Callable, Iterator, Sequence
-
-import torch
+from typing import Any, Callable, Sequence
 
 from chameleon_megatron.config import (
     ChameleonConfig,
@@ -53,30 +38,31 @@ from chameleon_megatron.config import (
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import fail
 from chameleon_megatron.megatron.lm_cpu import lm_cpu_platform, set_cpu_defaults
-from chameleon_megatron.metrics_file import MetricsWriter
+from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
+from chameleon_megatron.training.lm_loop import Leave, Providers
+from chameleon_megatron.preflight import check_launcher
+from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.launch.with_agent import end_with_agent
 from chameleon_megatron.swap.config import SwapConfig
-from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
-
-logger = logging.getLogger(__name__)
+from chameleon_megatron.training.plugin import TrainerPlugin
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-PluginBuilder = Callable[[ChameleonConfig], Sequence[TrainerPlugin]]
-
-WRAPPED = ("setup_model_and_optimizer", "get_forward_backward_func", "train_step")
-"""Functions of megatron.training.training replaced while pretrain() runs."""
-USED = WRAPPED + ("get_args", "mpu", "get_model_config", "get_num_microbatches")
-"""Every name of megatron.training.training the hook relies on."""
-COMPONENTS = (MetricsConfig, SwapConfig)
-"""What this path supports: its --help offers only their flags, and a preset that enables
-another component (fault tolerance) is refused when the arguments are parsed."""
+COMPONENTS = (MetricsConfig, SwapConfig, ResilienceConfig)
+"""What this path supports: its --help offers their flags (but ``UNSUPPORTED``)."""
+UNSUPPORTED = {"ft": ("join", "respawns", "respawn_delay_s")}
+"""Fields this path does not run (new members joining a running job): no flag, and a preset
+that sets them is refused when the arguments are parsed."""
 PROG = "pretrain_gpt.py"
+PRETRAIN_PARAMS = ("train_valid_test_dataset_provider", "model_provider", "model_type")
+"""What a recovery takes from pretrain()'s arguments (``Providers``, in order)."""
+PLANS_REFUSED = "Megatron-LM's pretrain_gpt.py trains megatron layouts only"
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: Chameleon's flags plus the preset's megatron
     defaults. A parser that already has them is returned unchanged."""
     if "--chameleon-config" not in parser._option_string_actions:
-        add_chameleon_args(parser, COMPONENTS)
+        add_chameleon_args(parser, COMPONENTS, UNSUPPORTED)
         set_cpu_defaults(parser)
         apply_preset_defaults(parser, sys.argv[1:])
     return parser
@@ -114,20 +100,40 @@ def chain_providers(*providers: ArgsProvider | None) -> ArgsProvider:
     return provider
 
 
-def check_supported(config: ChameleonConfig) -> None:
+def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
     """Refuse what this path cannot run (before Megatron-LM builds anything)."""
-    if config.ft.enabled:
-        raise ConfigError(
-            "ft.enabled=True: in-process recovery needs chameleon-pretrain-gpt under "
-            "chameleon-run; Megatron-LM's pretrain_gpt.py runs swap and metrics only"
-        )
+    ft = config.ft
+    if not ft.enabled:
+        return
+    for name in UNSUPPORTED["ft"]:
+        value = getattr(ft, name)
+        if value != getattr(ResilienceConfig(), name):
+            raise ConfigError(f"ft.{name}={value!r}: Megatron-LM's pretrain_gpt.py admits no "
+                              "new members into a running job; use chameleon-pretrain-gpt")
+    limits = [
+        (margs.num_layers_per_virtual_pipeline_stage is None
+         and getattr(margs, "num_virtual_stages_per_pipeline_rank", None) is None,
+         "interleaved pipelines (virtual stages) are not recovered yet"),
+        (margs.rampup_batch_size is None,
+         "--rampup-batch-size: the decision center plans for one global batch size"),
+        (not margs.use_distributed_optimizer,
+         "--use-distributed-optimizer: its state is sharded over data-parallel ranks that may "
+         "be gone"),
+        (margs.optimizer == "adam", f"--optimizer {margs.optimizer}: recovery moves Adam's "
+                                    "state only"),
+    ]
+    refused = next((why for ok, why in limits if not ok), None)
+    if refused is not None:
+        raise ConfigError(f"--chameleon-ft: {refused}")
+    check_launcher(config)
 
 
 def plugins_for(config: ChameleonConfig) -> list[TrainerPlugin]:
-    """Plugins of the enabled subsystems: the same as chameleon's own trainer builds."""
+    """Plugins of the enabled subsystems: those chameleon's own trainer builds; recoveries
+    re-plan to megatron layouts (Megatron-LM's loop has no plan runtime)."""
     from chameleon_megatron.pretrain_gpt import build_plugins
 
-    return build_plugins(config)
+    return build_plugins(config, plans_refused=PLANS_REFUSED)
 
 
 def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,11 +163,23 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
             check_parse_args(module.parse_args)
             module.parse_args = with_chameleon_args(module.parse_args)
 
+    signature = inspect.signature(pretrain)
+    missing = [name for name in PRETRAIN_PARAMS if name not in signature.parameters]
+    if missing:
+        raise RuntimeError(f"this Megatron-LM's pretrain() has no parameter {missing[0]!r}; "
+                           "the hook rebuilds the model and data through it")
+
     @functools.wraps(pretrain)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        named = signature.bind(*args, **kwargs).arguments
+        providers = Providers(*(named[name] for name in PRETRAIN_PARAMS))
+        end_with_agent()  # under chameleon-run: no worker outlives its agent
         with lm_cpu_platform(training, initialize), \
-                MegatronLMHook(training, plugins_for).installed():
-            return pretrain(*args, **kwargs)
+                MegatronLMHook(training, plugins_for, providers).installed():
+            try:
+                return pretrain(*args, **kwargs)
+            except Leave:  # a spare at the job's end: the job goes on without this rank
+                return None
 
     return wrapped
 
@@ -187,144 +205,10 @@ def with_chameleon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
         try:
             parsed = parse_args(chain_providers(theirs, extra_args_provider), *args[1:],
                                 **kwargs)
-            check_supported(config_from_args(parsed))
+            check_supported(config_from_args(parsed), parsed)
         except ValueError as exc:  # ConfigError, a malformed preset: one line, exit 2
             raise fail(PROG, str(exc).splitlines()[0]) from None
         return parsed
 
     setattr(parse, _CHAINED, True)
     return parse
-
-
-class MegatronLMHook:
-    """Calls Chameleon's plugins from Megatron-LM's training loop; owns the replaced seams."""
-
-    def __init__(self, training: ModuleType, build_plugins: PluginBuilder) -> None:
-        self._training = training
-        self._build_plugins = build_plugins
-        self.plugins: list[TrainerPlugin] = []
-        self._metrics = MetricsWriter(None)
-        self._send_metrics = False
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Replace the training seams for the duration of the block, then restore them and
-        end the plugins."""
-        originals = {name: getattr(self._training, name) for name in WRAPPED}
-        self._training.setup_model_and_optimizer = self._setup(originals["setup_model_and_optimizer"])
-        self._training.get_forward_backward_func = self._schedule(originals["get_forward_backward_func"])
-        self._training.train_step = self._step(originals["train_step"])
-        try:
-            yield
-        finally:
-            for name, fn in originals.items():
-                setattr(self._training, name, fn)
-            try:
-                for plugin in self.plugins:
-                    plugin.on_train_end()
-            finally:
-                self._metrics.close()
-
-    def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-            model, optimizer, scheduler = original(*args, **kwargs)
-            margs = self._training.get_args()
-            config = config_from_args(margs)
-            self.plugins = list(self._build_plugins(config))
-            self._send_metrics = config.metrics.file is not None
-            self._metrics = MetricsWriter(config.metrics.file,
-                                          enabled=torch.distributed.get_rank() == 0)
-            ctx = self._context(model, optimizer, scheduler, margs)
-            for plugin in self.plugins:
-                plugin.on_model_built(ctx)
-            logger.info({"event": "chameleon_megatron_lm_hook", "rank": ctx.rank,
-                         "plugins": [type(p).__name__ for p in self.plugins],
-                         "metrics_file": config.metrics.file})
-            return model, optimizer, scheduler
-
-        return setup_model_and_optimizer
-
-    def _context(self, model: list[Any], optimizer: Any, scheduler: Any, margs: Any) -> TrainContext:
-        mpu = self._training.mpu
-        return TrainContext(
-            model=list(model),
-            config=self._training.get_model_config(model[0]),
-            args=margs,
-            device=next(model[0].parameters()).device,
-            rank=torch.distributed.get_rank(),
-            tp_rank=mpu.get_tensor_model_parallel_rank(),
-            pp_rank=mpu.get_pipeline_model_parallel_rank(),
-            pp_size=mpu.get_pipeline_model_parallel_world_size(),
-            dp_rank=mpu.get_data_parallel_rank(),
-            vpp_size=margs.virtual_pipeline_model_parallel_size or 1,
-            pipeline_group=mpu.get_pipeline_model_parallel_group(),
-            extra={"optimizer": optimizer, "opt_param_scheduler": scheduler},
-        )
-
-    def _schedule(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable[..., Any]:
-            schedule = original(*args, **kwargs)
-
-            @functools.wraps(schedule)
-            def forward_backward(*f_args: Any, **f_kwargs: Any) -> Any:
-                margs = self._training.get_args()
-                iteration = getattr(margs, "curr_iteration", margs.iteration)
-                training = not f_kwargs.get("forward_only", False)
-                with plugins_step(self.plugins, iteration, training=training):
-                    return schedule(*f_args, **f_kwargs)
-
-            return forward_backward
-
-        return get_forward_backward_func
-
-    def _step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def train_step(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            step_time = time.perf_counter() - start
-            extra: dict[str, Any] = {}
-            for plugin in self.plugins:
-                extra.update(plugin.metrics())
-            if self._send_metrics:
-                pipelined = self._training.get_args().pipeline_model_parallel_size > 1
-                loss = _loss_to_rank0(out[0], pipelined)
-                self._metrics.write(self._record(loss, step_time) | extra)
-            return out
-
-        return train_step
-
-    def _record(self, loss: float | None, step_time: float) -> dict[str, Any]:
-        """The iteration record; train() bumps iteration and consumed samples after train_step."""
-        margs = self._training.get_args()
-        batch = margs.data_parallel_size * margs.micro_batch_size * self._training.get_num_microbatches()
-        return {
-            "event": "iteration",
-            "iteration": margs.curr_iteration + 1,
-            "loss": loss,
-            "step_time_s": step_time,
-            "consumed_samples": margs.consumed_train_samples + batch,
-            "world_size": torch.distributed.get_world_size(),
-            "layout": {
-                "tp": margs.tensor_model_parallel_size,
-                "pp": margs.pipeline_model_parallel_size,
-                "vpp": margs.virtual_pipeline_model_parallel_size or 1,
-                "dp": margs.data_parallel_size,
-            },
-        }
-
-
-def _loss_to_rank0(loss_dict: dict[str, Any], pipelined: bool) -> float | None:
-    """The step's loss on rank 0 (None when the step reported none).
-
-    Megatron-LM reduces the loss on the last pipeline stage only; with pipelining every rank
-    calls this and the last rank (always in the last stage) broadcasts it.
-    """
-    value = loss_dict.get("lm loss", next(iter(loss_dict.values()), None))
-    if not pipelined:
-        return None if value is None else float(value)
-    nccl = torch.distributed.get_backend() == "nccl"
-    t = torch.tensor([math.nan if value is None else float(value)],
-                     device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
-    torch.distributed.broadcast(t, src=torch.distributed.get_world_size() - 1)
-    loss = t.item()
-    return None if math.isnan(loss) else loss

@@ -19,11 +19,16 @@ from chameleon_megatron.training.data_files import check_data_files
 
 def preflight(args: argparse.Namespace, cfg: ChameleonConfig) -> None:
     check_data_files(args)
+    check_launcher(cfg)
+    _metrics_file(cfg)
+
+
+def check_launcher(cfg: ChameleonConfig) -> None:
+    """Fault tolerance needs the workers started by chameleon-run's agent."""
     if cfg.ft.enabled and os.environ.get(AGENT_ENV) != "1":
         raise ConfigError("--chameleon-ft: needs the chameleon-run launcher (chameleon-run "
                           "... or python -m chameleon_megatron.run ..., torchrun's arguments), "
                           "whose agent keeps the survivors of a failure running")
-    _metrics_file(cfg)
 
 
 def _metrics_file(cfg: ChameleonConfig) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 
 from chameleon_megatron.config import add_chameleon_args, config_from_args
 from chameleon_megatron.errors import USAGE_EXIT, fail, user_errors
-from chameleon_megatron.logs import FORMAT, RecordFormatter
+from chameleon_megatron.logs import log_ours
 from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.agent import ChameleonAgent
@@ -59,17 +59,6 @@ def check_ft_launch(args: argparse.Namespace) -> None:
     if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         raise ValueError("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the job store must be the "
                          "agent's (with it off, worker 0 hosts the store and dies with it)")
-
-
-def log_agent_events() -> None:
-    """The agent's records (failures, restarts, joins) at INFO on stderr; torch's loggers
-    keep their own set-up."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(RecordFormatter(FORMAT))
-    ours = logging.getLogger("chameleon_megatron")
-    ours.setLevel(logging.INFO)
-    ours.addHandler(handler)
-    ours.propagate = False
 
 
 def check_training_args(args: argparse.Namespace) -> None:
@@ -122,7 +111,7 @@ def launch(args: argparse.Namespace, ft: ResilienceConfig) -> int:
     if not ft.enabled:
         torchrun.run(args)
         return 0
-    log_agent_events()
+    log_ours()  # the agent's records: failures, restarts, joins
     # NCCL: on a communication error abort the communicators and raise (2), rather than
     # tear the process down (torchrun's default 1), so that the survivors can recover.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")

@@ -12,7 +12,8 @@ While ``pretrain()`` runs on a host without CUDA (``lm_cpu_platform``):
   megatron-core wheel's, else built with Megatron-LM's ``make``), while the fused CUDA
   kernels, which need nvcc, are not;
 * the ``torch.cuda`` functions that ``megatron.training`` calls unconditionally on its way
-  (``empty_cache``, ``set_device``; streams are ``CpuPlatform``'s) become no-ops, and
+  (``empty_cache``, ``set_device``, the CUDA generator state a checkpoint saves and loads:
+  empty; streams are ``CpuPlatform``'s) become no-ops, and
   ``device_count`` says 1 (one "device" per process: megatron builds its parallel state
   only when it counts a device). ``torch.cuda.is_available()`` keeps saying False.
 
@@ -51,6 +52,9 @@ CUDA_STAND_INS: dict[str, Callable[..., Any]] = {
     "device_count": lambda: 1,
     "set_device": lambda *a, **k: None,
     "empty_cache": lambda: None,
+    # checkpoints carry a CUDA generator state; a CPU host has none to save or restore
+    "get_rng_state": lambda *a, **k: torch.empty(0, dtype=torch.uint8),
+    "set_rng_state": lambda *a, **k: None,
 }
 """torch.cuda functions Megatron-LM's training code calls without asking for CUDA first
 (streams are ``CpuPlatform``'s)."""

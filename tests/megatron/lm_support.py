@@ -1,9 +1,15 @@
-"""Shared by the Megatron-LM patch tests: patches/apply.py loaded as a module."""
+"""Shared by the Megatron-LM tests: patches/apply.py loaded as a module, and copies of a
+real checkout (CHAMELEON_MEGATRON_LM, else ../shared/megatron-lm next to the repository, as
+on CI)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("chameleon_patch_apply",
@@ -14,3 +20,21 @@ _spec.loader.exec_module(patch)
 
 def script_bytes(checkout: Path) -> bytes:
     return (checkout / "pretrain_gpt.py").read_bytes()
+
+
+SHARED = REPO.parent / "shared" / "megatron-lm"
+REAL = os.environ.get("CHAMELEON_MEGATRON_LM") or (str(SHARED) if SHARED.is_dir() else None)
+needs_real = pytest.mark.skipif(
+    not REAL, reason="no Megatron-LM checkout: set CHAMELEON_MEGATRON_LM or put one next to the "
+                     "repository (shared/megatron-lm)")
+
+
+def copy_checkout(dest: Path) -> tuple[Path, dict]:
+    """A writable copy of the real checkout at ``dest`` (the original is never written), and
+    the environment that imports its ``megatron`` and this repository."""
+    shutil.copytree(REAL, dest, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o200)  # the shared checkout is read-only
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(dest), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return dest, env

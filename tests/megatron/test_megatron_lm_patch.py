@@ -2,8 +2,9 @@
 
 Without network or a checkout, the tests write a synthetic ``pretrain_gpt.py`` holding only
 the lines the patch keys on, and a small stand-in ``megatron.training`` package whose
-``pretrain`` parses flags and runs a 3-iteration loop through the same three seams as
-Megatron-LM (setup_model_and_optimizer, get_forward_backward_func, train_step).
+``pretrain`` parses flags and runs a 3-iteration loop through the same seams as Megatron-LM
+(setup_model_and_optimizer, the data iterators, train, train_step, the schedule,
+evaluate_and_print_results).
 A real checkout: ``test_megatron_lm_real.py``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import pytest
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.config import add_chameleon_args, build_config
 from chameleon_megatron import megatron_lm
+from chameleon_megatron.resilience.store.env import AGENT_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_support import REPO, patch, script_bytes  # noqa: E402
@@ -211,13 +214,38 @@ def test_chain_providers_keeps_order_and_skips_none():
     assert parser.parse_args([]).a == "second"
 
 
-def test_plugins_follow_the_config_and_fault_tolerance_is_refused():
+MARGS = argparse.Namespace(num_layers_per_virtual_pipeline_stage=None, rampup_batch_size=None,
+                           use_distributed_optimizer=False, optimizer="adam")
+
+
+def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
     assert megatron_lm.plugins_for(build_config({})) == []
     swap = megatron_lm.plugins_for(build_config({"swap": {"enabled": True}}))
     assert [type(p).__name__ for p in swap] == ["SwapPlugin"]
-    megatron_lm.check_supported(build_config({"swap": {"enabled": True}}))
-    with pytest.raises(ConfigError, match="ft.enabled=True: in-process recovery needs"):
-        megatron_lm.check_supported(build_config({"ft": {"enabled": True}}))
+    ft = megatron_lm.plugins_for(build_config({"ft": {"enabled": True}}))
+    # Megatron-LM's loop has no plan runtime: the decision center re-plans to its layouts.
+    assert [(type(p).__name__, p.plans_refused) for p in ft] == [
+        ("ResiliencePlugin", megatron_lm.PLANS_REFUSED)]
+    megatron_lm.check_supported(build_config({"swap": {"enabled": True}}), MARGS)
+    with pytest.raises(ConfigError, match="needs the chameleon-run launcher"):
+        megatron_lm.check_supported(build_config({"ft": {"enabled": True}}), MARGS)
+    monkeypatch.setenv(AGENT_ENV, "1")
+    megatron_lm.check_supported(build_config({"ft": {"enabled": True}}), MARGS)
+
+
+@pytest.mark.parametrize("ft, margs, message", [
+    ({"respawns": 1}, {}, "ft.respawns=1: Megatron-LM's pretrain_gpt.py admits no new members"),
+    ({"join": True}, {}, "ft.join=True: Megatron-LM's pretrain_gpt.py admits no new members"),
+    ({}, {"use_distributed_optimizer": True}, "--chameleon-ft: --use-distributed-optimizer"),
+    ({}, {"optimizer": "sgd"}, "--chameleon-ft: --optimizer sgd"),
+    ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),
+    ({}, {"num_layers_per_virtual_pipeline_stage": 1}, "interleaved pipelines"),
+])
+def test_what_recovery_cannot_run_on_this_path_is_refused(monkeypatch, ft, margs, message):
+    monkeypatch.setenv(AGENT_ENV, "1")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        megatron_lm.check_supported(build_config({"ft": {"enabled": True, **ft}}),
+                                    argparse.Namespace(**{**vars(MARGS), **margs}))
 
 
 # ------------------------------------------------- patched script on a stand-in Megatron-LM
@@ -245,6 +273,10 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser.add_argument("--train-iters", type=int, default=3)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    parser.add_argument("--rampup-batch-size", nargs="*")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--optimizer", default="adam")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser.parse_known_args()[0] if ignore_unknown_args else parser.parse_args()
@@ -271,7 +303,7 @@ def _compile_dependencies():
 '''
 
 STANDIN_TRAINING = '''\
-"""Test stand-in for megatron.training.training: pretrain() -> setup -> train loop."""
+"""Test stand-in for megatron.training.training: pretrain() -> setup -> iterators -> train."""
 import types
 
 import torch
@@ -279,7 +311,7 @@ import torch
 from megatron.training.initialize import initialize_megatron
 
 ARGS = None
-EVAL_AFTER = 1  # evaluate after this iteration index
+EVAL_AFTER = 2  # evaluate after this many steps
 
 mpu = types.SimpleNamespace(
     get_tensor_model_parallel_rank=lambda: 0,
@@ -294,6 +326,10 @@ def get_args():
     return ARGS
 
 
+def get_timers():
+    return None
+
+
 def get_model_config(model):
     return f"config:{type(model).__name__}"
 
@@ -302,8 +338,34 @@ def get_num_microbatches():
     return 2
 
 
-def setup_model_and_optimizer(model_provider, model_type):
+def num_floating_point_operations(args, batch_size):
+    return 0.0
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, checkpointing_context=None):
+    raise AssertionError("nothing to load")
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far, checkpointing_context=None,
+                    train_data_iterator=None):
+    raise AssertionError("no --save")
+
+
+def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far, checkpointing_context,
+                             train_data_iterator=None):
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far, checkpointing_context,
+                    train_data_iterator=train_data_iterator)
+
+
+def setup_model_and_optimizer(model_provider, model_type, checkpointing_context=None):
     return [torch.nn.Linear(2, 2)], "optimizer", "scheduler"
+
+
+def build_train_valid_test_data_iterators(provider):
+    return iter(()), iter(()), None
 
 
 def get_forward_backward_func():
@@ -320,20 +382,41 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
     return loss, 0, False, False, 0, None, None, 0
 
 
-def pretrain(dataset_provider, model_provider, model_type, forward_step_func,
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
+                               process_non_loss_data_func, config, verbose=False,
+                               write_to_tensorboard=True, non_loss_data_func=None):
+    get_forward_backward_func()(forward_step_func=forward_step_func, forward_only=True)
+
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+          valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+          non_loss_data_func):
+    schedule = get_forward_backward_func()
+    iteration = ARGS.iteration
+    while iteration < ARGS.train_iters:
+        ARGS.curr_iteration = iteration
+        train_step(forward_step_func, train_data_iterator, model, optimizer,
+                   opt_param_scheduler, config, schedule, iteration=iteration)
+        iteration += 1
+        ARGS.consumed_train_samples += 4
+        if iteration == EVAL_AFTER:
+            evaluate_and_print_results(f"iteration {iteration}", forward_step_func,
+                                       valid_data_iterator, model, iteration, None, config)
+    return iteration, 0.0
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
              extra_args_provider=None, store=None):
     global ARGS
     ARGS = initialize_megatron(extra_args_provider)
     ARGS.data_parallel_size, ARGS.virtual_pipeline_model_parallel_size = 1, None
-    ARGS.consumed_train_samples, ARGS.iteration = 0, 0
-    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
-    schedule = get_forward_backward_func()
-    for it in range(ARGS.train_iters):
-        ARGS.curr_iteration = it
-        train_step(forward_step_func, None, model, optimizer, scheduler, None, schedule, iteration=it)
-        ARGS.consumed_train_samples += 4
-        if it == EVAL_AFTER:
-            get_forward_backward_func()(forward_step_func=forward_step_func, forward_only=True)
+    ARGS.consumed_train_samples, ARGS.consumed_valid_samples, ARGS.iteration = 0, 0, 0
+    ARGS.num_floating_point_operations_so_far = 0.0
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, {})
+    train_it, valid_it, _ = build_train_valid_test_data_iterators(
+        train_valid_test_dataset_provider)
+    train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, None,
+          get_model_config(model[0]), {}, None)
     torch.distributed.destroy_process_group()
 '''
 
@@ -348,6 +431,7 @@ import sys
 import megatron.training.training as training
 import torch
 from chameleon_megatron import megatron_lm
+from chameleon_megatron.training import lm_hook
 from chameleon_megatron.training.plugin import TrainerPlugin
 
 
@@ -382,7 +466,7 @@ def build(config):
 
 
 megatron_lm.plugins_for = build
-originals = {n: getattr(training, n) for n in (*megatron_lm.WRAPPED, "initialize_megatron")}
+originals = {n: getattr(training, n) for n in (*lm_hook.WRAPPED, "initialize_megatron")}
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 out = {
@@ -426,26 +510,32 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     out = subprocess.run([sys.executable, str(ckpt / "pretrain_gpt.py"), "--help"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     for flag in ("--num-layers", "--chameleon-config", "--chameleon-swap",
-                 "--chameleon-metrics-file"):
+                 "--chameleon-metrics-file", "--chameleon-ft", "--chameleon-inject-fault"):
         assert flag in out
-    assert "--chameleon-ft" not in out and "--chameleon-inject-fault" not in out
+    # recovery here never admits new members: their flags are not offered
+    assert "--chameleon-ft-join" not in out and "--chameleon-ft-respawns" not in out
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--chameleon-ft"], "unrecognized arguments: --chameleon-ft"),
+    (["--chameleon-ft-respawns", "1"], "unrecognized arguments: --chameleon-ft-respawns"),
     (["--chameleon-swap-budget-fraction", "2"], "swap.budget_fraction=2.0"),
-    (["PRESET"], "ft.enabled=True: in-process recovery needs chameleon-pretrain-gpt"),
+    (["--chameleon-ft"], "--chameleon-ft: needs the chameleon-run launcher"),
+    (["--chameleon-ft", "--use-distributed-optimizer", "AGENT"],
+     "--chameleon-ft: --use-distributed-optimizer"),
+    (["PRESET", "AGENT"], "ft.respawns=2: Megatron-LM's pretrain_gpt.py admits no new members"),
 ])
 def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
         standin, tmp_path, flags, message):
     ckpt, env = standin
     preset = tmp_path / "ft.yaml"
-    preset.write_text("ft:\n  enabled: true\n")
+    preset.write_text("ft:\n  enabled: true\n  respawns: 2\n")
+    agent = {AGENT_ENV: "1"} if "AGENT" in flags else {}  # as if under chameleon-run
+    flags = [f for f in flags if f != "AGENT"]
     flags = ["--chameleon-config", str(preset)] if flags == ["PRESET"] else flags
     run = subprocess.run([sys.executable, str(tmp_path / "driver.py"),
                           str(ckpt / "pretrain_gpt.py"), *flags],
                          env={**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": str(free_port()), "OUT": str(tmp_path)},
+                              "MASTER_PORT": str(free_port()), "OUT": str(tmp_path), **agent},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if ": error: " in line]
@@ -489,8 +579,9 @@ def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
     # the seams, and on this CPU host the platform's stand-ins, are restored afterwards
     assert rank0["restored"] and rank1["restored"]
     assert rank0["cuda_restored"] and rank1["cuda_restored"]
-    steps = [["enter", 0, True], ["exit", 0, True], ["enter", 1, True], ["exit", 1, True],
-             ["enter", 1, False], ["exit", 1, False], ["enter", 2, True], ["exit", 2, True],
+    # training: the step being computed (1-based); evaluation: the steps completed
+    steps = [["enter", 1, True], ["exit", 1, True], ["enter", 2, True], ["exit", 2, True],
+             ["enter", 2, False], ["exit", 2, False], ["enter", 3, True], ["exit", 3, True],
              ["end"]]
     extra = ["opt_param_scheduler", "optimizer"]
     assert rank0["events"] == [["built", 0, 0, 2, 1, "cpu", "config:Linear", extra], *steps]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,27 +15,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_support import REPO, patch, script_bytes  # noqa: E402
+from lm_support import REPO, copy_checkout, needs_real, patch, script_bytes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-SHARED = REPO.parent / "shared" / "megatron-lm"
-REAL = os.environ.get("CHAMELEON_MEGATRON_LM") or (str(SHARED) if SHARED.is_dir() else None)
-needs_real = pytest.mark.skipif(
-    not REAL, reason="no Megatron-LM checkout: set CHAMELEON_MEGATRON_LM or put one next to the "
-                     "repository (shared/megatron-lm)")
 
 
 @pytest.fixture
 def real_checkout(tmp_path):
-    """A patched copy of the checkout (the original is never written)."""
-    ckpt = tmp_path / "Megatron-LM"
-    shutil.copytree(REAL, ckpt, ignore=shutil.ignore_patterns(".git", "__pycache__"))
-    for path in [ckpt, *ckpt.rglob("*")]:
-        path.chmod(path.stat().st_mode | 0o200)  # the shared checkout is read-only
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ckpt), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return ckpt, env
+    """A copy of the checkout (the original is never written)."""
+    return copy_checkout(tmp_path / "Megatron-LM")
 
 
 @needs_real
@@ -54,9 +41,10 @@ def test_real_checkout_patch_round_trip_and_help(real_checkout):
     help_text = subprocess.run([sys.executable, str(ckpt / "pretrain_gpt.py"), "--help"],
                                env=env, cwd=ckpt, capture_output=True, text=True, timeout=240)
     assert help_text.returncode == 0, help_text.stderr[-3000:]
-    for flag in ("--chameleon-config", "--chameleon-swap", "--chameleon-metrics-file"):
+    for flag in ("--chameleon-config", "--chameleon-swap", "--chameleon-metrics-file",
+                 "--chameleon-ft", "--chameleon-inject-fault"):
         assert flag in help_text.stdout
-    assert "--chameleon-ft" not in help_text.stdout
+    assert "--chameleon-ft-respawns" not in help_text.stdout
     assert patch.remove(ckpt) is True
     assert script_bytes(ckpt) == original
     assert patch.status(ckpt) == "unpatched"

@@ -134,11 +134,13 @@ class RecoveryController:
 
     def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
                  ft: ResilienceConfig, me: int, plan: Plan | None, backend: str,
-                 swap_bandwidth_Bps: float = 0.0) -> None:
+                 swap_bandwidth_Bps: float = 0.0, plans_refused: str | None = None) -> None:
         """``plan``: the layout launched, over launch ranks (None: this process joins a
         running job and learns the layout when admitted). ``swap_bandwidth_Bps``: the job
         swaps activations (``--chameleon-swap``) at this bandwidth, so a layout whose stages
-        are over device memory may swap to fit (0: it does not swap)."""
+        are over device memory may swap to fit (0: it does not swap). ``plans_refused``: why
+        the trainer cannot run the plan runtime (then every recovery re-plans to a megatron
+        layout); None: it can."""
         self.job = job
         self.detector = detector
         self.injector = injector
@@ -146,6 +148,7 @@ class RecoveryController:
         self.me = me
         self.backend = backend
         self.swap_bandwidth_Bps = swap_bandwidth_Bps
+        self.plans_refused = plans_refused
         self.plan = plan
         """The plan trained now (rerouting: the kept plan, dead ranks included)."""
         self.reroute: ReroutePlan | None = None
@@ -515,7 +518,7 @@ class RecoveryController:
                 decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
                                   profile=profile, d_s=self._expected_time_to_failure(),
                                   strategy=self.ft.strategy,
-                                  plans=plan_refusal(args, self.plan))
+                                  plans=self.plans_refused or plan_refusal(args, self.plan))
         except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}

@@ -68,10 +68,13 @@ def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
 
 
 class ResiliencePlugin(TrainerPlugin):
-    def __init__(self, ft: ResilienceConfig, *, swap_bandwidth_Bps: float = 0.0) -> None:
-        """``swap_bandwidth_Bps``: the job swaps activations at this bandwidth (0: no)."""
+    def __init__(self, ft: ResilienceConfig, *, swap_bandwidth_Bps: float = 0.0,
+                 plans_refused: str | None = None) -> None:
+        """``swap_bandwidth_Bps``: the job swaps activations at this bandwidth (0: no).
+        ``plans_refused``: why the trainer runs megatron layouts only (None: it runs plans)."""
         self.ft = ft
         self.swap_bandwidth_Bps = swap_bandwidth_Bps
+        self.plans_refused = plans_refused
         self.controller: RecoveryController | None = None
         self._args: Any = None
         self._remove_hooks: Callable[[], None] = lambda: None
@@ -106,7 +109,8 @@ class ResiliencePlugin(TrainerPlugin):
         return RecoveryController(
             job=job, detector=detector,
             injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
-            plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps).watch()
+            plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps,
+            plans_refused=self.plans_refused).watch()
 
     def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:
         relaunch = os.environ.get(RELAUNCH_ENV)

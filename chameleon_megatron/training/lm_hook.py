@@ -1,0 +1,253 @@
+"""``MegatronLMHook``: Chameleon's plugins called from Megatron-LM's ``pretrain()``.
+
+While the wrapped ``pretrain()`` runs, these functions of ``megatron.training.training``
+(which ``pretrain()`` and ``train()`` look up at call time) are replaced, and restored when it
+returns or raises:
+
+- ``setup_model_and_optimizer``: then the plugins are built from the Chameleon config and
+  see ``on_model_built`` with the DDP-wrapped chunks, the optimizer and the LR schedule;
+- ``build_train_valid_test_data_iterators``: the loop learns the iterators it replaces
+  after a recovery;
+- ``train``: ``LMLoop.train`` calls it, and calls it again after each recovery;
+- ``train_step``: the plugins' work between steps before it; after it the loop counts the
+  step, the plugins' ``metrics()`` are collected and, with ``--chameleon-metrics-file``,
+  rank 0 appends the iteration record;
+- ``get_forward_backward_func``: each call of the returned schedule (training and
+  evaluation) runs inside the plugins' ``step_context``;
+- ``evaluate_and_print_results`` and ``save_checkpoint``: marked as the work after a step
+  (a failure in them is recovered like one in a step), with the model, optimizer, schedule
+  and iterators trained now (``pretrain()`` calls them with the ones it built).
+
+``on_train_end`` is called when ``pretrain()`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import time
+from types import ModuleType
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from chameleon_megatron.config import ChameleonConfig, config_from_args
+from chameleon_megatron.logs import log_ours
+from chameleon_megatron.training.lm_loop import LMLoop, Providers
+from chameleon_megatron.metrics_file import MetricsWriter, current_run
+from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
+
+logger = logging.getLogger(__name__)
+
+PluginBuilder = Callable[[ChameleonConfig], Sequence[TrainerPlugin]]
+
+WRAPPED = ("setup_model_and_optimizer", "build_train_valid_test_data_iterators", "train",
+           "train_step", "get_forward_backward_func", "evaluate_and_print_results",
+           "save_checkpoint")
+"""Functions of megatron.training.training replaced while pretrain() runs."""
+USED = WRAPPED + ("get_args", "get_timers", "mpu", "get_model_config", "get_num_microbatches",
+                  "load_checkpoint", "save_checkpoint_and_time",
+                  "num_floating_point_operations")
+"""Every name of megatron.training.training the hook relies on."""
+
+
+class MegatronLMHook:
+    """Calls Chameleon's plugins from Megatron-LM's training loop; owns the replaced seams."""
+
+    def __init__(self, training: ModuleType, build_plugins: PluginBuilder,
+                 providers: Providers) -> None:
+        self._training = training
+        self._build_plugins = build_plugins
+        self._providers = providers
+        self.plugins: list[TrainerPlugin] = []
+        self.loop: LMLoop | None = None
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._metrics_path: str | None = None
+        self._metrics = MetricsWriter(None)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Replace the training seams for the duration of the block, then restore them and
+        end the plugins."""
+        self._originals = {name: getattr(self._training, name) for name in WRAPPED}
+        for name, original in self._originals.items():
+            setattr(self._training, name, getattr(self, f"_{name}")(original))
+        try:
+            yield
+        finally:
+            for name, fn in self._originals.items():
+                setattr(self._training, name, fn)
+            try:
+                for plugin in self.plugins:
+                    plugin.on_train_end()
+            finally:
+                self._metrics.close()
+
+    # ------------------------------------------------------------------- set-up
+    def _setup_model_and_optimizer(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+            model, optimizer, scheduler = original(*args, **kwargs)
+            config = config_from_args(self._training.get_args())
+            if config.ft.enabled:
+                log_ours()  # recoveries are worth reading on the console
+            self.plugins = list(self._build_plugins(config))
+            self._metrics_path = config.metrics.file
+            self._metrics = MetricsWriter(self._metrics_path,
+                                          enabled=torch.distributed.get_rank() == 0)
+            self.loop = LMLoop(
+                self._training, self.plugins, self._providers, setup=original,
+                build_iterators=self._originals["build_train_valid_test_data_iterators"],
+                announce=self._announce, emit=self._emit,
+                new_world=self._new_world)
+            self.loop.built(model, optimizer, scheduler)
+            ctx = self.loop.context()
+            self._announce(ctx)
+            logger.info({"event": "chameleon_megatron_lm_hook", "rank": ctx.rank,
+                         "plugins": [type(p).__name__ for p in self.plugins],
+                         "metrics_file": config.metrics.file})
+            return model, optimizer, scheduler
+
+        return setup_model_and_optimizer
+
+    def _announce(self, ctx: TrainContext) -> None:
+        for plugin in self.plugins:
+            plugin.on_model_built(ctx)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self._metrics.write(record)
+
+    def _new_world(self, rank: int) -> None:
+        """The first rank may have died: whoever is rank 0 now appends to the metrics file."""
+        self._metrics.close()
+        path = self._metrics_path
+        self._metrics = MetricsWriter(path, enabled=rank == 0,
+                                      run_id=current_run(path) if path else None)
+
+    def _build_train_valid_test_data_iterators(
+            self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def build_train_valid_test_data_iterators(*args: Any, **kwargs: Any) -> Any:
+            iterators = original(*args, **kwargs)
+            if self.loop is not None:
+                self.loop.iterators_built(iterators)
+            return iterators
+
+        return build_train_valid_test_data_iterators
+
+    # ------------------------------------------------------------------- the loop
+    def _train(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def train(*args: Any, **kwargs: Any) -> Any:
+            assert self.loop is not None, "train() before setup_model_and_optimizer()"
+            return self.loop.train(original, *args, **kwargs)
+
+        return train
+
+    def _get_forward_backward_func(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+            schedule = original(*args, **kwargs)
+
+            @functools.wraps(schedule)
+            def forward_backward(*f_args: Any, **f_kwargs: Any) -> Any:
+                training = not f_kwargs.get("forward_only", False)
+                # As in chameleon's trainer: the step being computed (1-based) in training,
+                # the steps completed in an evaluation.
+                completed = self.loop.iteration if self.loop is not None else 0
+                with plugins_step(self.plugins, completed + training, training=training):
+                    return schedule(*f_args, **f_kwargs)
+
+            return forward_backward
+
+        return get_forward_backward_func
+
+    def _train_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def train_step(*args: Any, **kwargs: Any) -> Any:
+            assert self.loop is not None, "train_step() before setup_model_and_optimizer()"
+            self.loop.before_step()
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            step_time = time.perf_counter() - start
+            margs = self._training.get_args()
+            samples = (margs.data_parallel_size * margs.micro_batch_size
+                       * self._training.get_num_microbatches())
+            self.loop.step_applied(
+                samples, self._training.num_floating_point_operations(margs, samples))
+            extra: dict[str, Any] = {}
+            for plugin in self.plugins:
+                extra.update(plugin.metrics())
+            if self._metrics_path is not None:
+                loss = _loss_to_rank0(out[0], margs.pipeline_model_parallel_size > 1)
+                self._metrics.write(self._record(loss, step_time) | extra)
+            return out
+
+        return train_step
+
+    def _record(self, loss: float | None, step_time: float) -> dict[str, Any]:
+        margs = self._training.get_args()
+        return {
+            "event": "iteration",
+            "iteration": self.loop.iteration,
+            "loss": loss,
+            "step_time_s": step_time,
+            "consumed_samples": self.loop.consumed_samples,
+            "world_size": torch.distributed.get_world_size(),
+            "layout": {
+                "tp": margs.tensor_model_parallel_size,
+                "pp": margs.pipeline_model_parallel_size,
+                "vpp": margs.virtual_pipeline_model_parallel_size or 1,
+                "dp": margs.data_parallel_size,
+            },
+        }
+
+    # ------------------------------------------------------------------- after a step
+    def _evaluate_and_print_results(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def current(named: dict[str, Any]) -> None:
+            named["model"], named["config"] = self.loop.model, self.loop.config
+            named["data_iterator"] = self.loop.current(named["data_iterator"])
+
+        return self._after_step(original, "eval", current)
+
+    def _save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def current(named: dict[str, Any]) -> None:
+            named["model"], named["optimizer"], named["opt_param_scheduler"] = \
+                self.loop.current_objects(named["model"], named["optimizer"],
+                                          named["opt_param_scheduler"])
+            if named.get("train_data_iterator") is not None:
+                named["train_data_iterator"] = self.loop.current(named["train_data_iterator"])
+
+        return self._after_step(original, "save", current)
+
+    def _after_step(self, original: Callable[..., Any], phase: str,
+                    current: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
+        """``original`` as the work ``phase`` after a step, its arguments made ``current``
+        (pretrain() passes the objects it built; before the loop exists: unchanged)."""
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def seam(*args: Any, **kwargs: Any) -> Any:
+            if self.loop is None:
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            current(bound.arguments)
+            with self.loop.after_step_phase(phase):
+                return original(*bound.args, **bound.kwargs)
+
+        return seam
+
+
+def _loss_to_rank0(loss_dict: dict[str, Any], pipelined: bool) -> float | None:
+    """The step's loss on rank 0 (None when the step reported none).
+
+    Megatron-LM reduces the loss on the last pipeline stage only; with pipelining every rank
+    calls this and the last rank (always in the last stage) broadcasts it.
+    """
+    value = loss_dict.get("lm loss", next(iter(loss_dict.values()), None))
+    if not pipelined:
+        return None if value is None else float(value)
+    nccl = torch.distributed.get_backend() == "nccl"
+    t = torch.tensor([math.nan if value is None else float(value)],
+                     device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+    torch.distributed.broadcast(t, src=torch.distributed.get_world_size() - 1)
+    loss = t.item()
+    return None if math.isnan(loss) else loss

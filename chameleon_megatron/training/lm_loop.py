@@ -1,0 +1,392 @@
+"""Megatron-LM's ``train()`` as a ``TrainerHandle`` that recoveries re-enter.
+
+Megatron-LM's loop keeps its model, optimizer, LR schedule and data iterators in local
+variables, so no layout can change under it. ``LMLoop.train`` stands in for
+``megatron.training.training.train`` while the hook is installed: it calls the original, and
+when that raises (a failed step, evaluation or checkpoint) or is unwound by a layout change
+between steps (``Reenter``), the plugins recover through this handle (``rebuild`` goes
+through Megatron-LM's own ``setup_model_and_optimizer``), and the original is called again
+with the new objects, ``args.iteration`` and ``args.consumed_train_samples`` at the agreed
+step and data iterators rebuilt at that sample: the same global batches, the same schedule.
+
+``pretrain()`` still holds the objects it built; the seams it calls after ``train()``
+(the final checkpoint and evaluations) get the current ones through ``current_objects``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+import torch
+
+from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.training.plugin import (
+    AFTER_STEP,
+    StepAction,
+    TrainContext,
+    TrainerPlugin,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Reenter(Exception):
+    """Unwinds Megatron-LM's ``train()`` after a plugin changed the layout between steps."""
+
+
+class Leave(Exception):
+    """This rank left the job (a spare at its end): unwinds ``pretrain()`` itself, as what
+    follows ``train()`` there needs the world this rank is no longer in."""
+
+
+@dataclass(frozen=True)
+class Providers:
+    """What ``pretrain()`` was given to build a model and its data, kept for rebuilds."""
+
+    dataset_provider: Callable[..., Any]
+    model_provider: Callable[..., Any]
+    model_type: Any
+
+
+@dataclass
+class Entry:
+    """The arguments of ``train()`` a recovery does not replace (positional, in order)."""
+
+    forward_step_func: Callable[..., Any]
+    process_non_loss_data_func: Any
+    checkpointing_context: Any
+    non_loss_data_func: Any
+    rest: tuple[Any, ...]
+    """Arguments after ``non_loss_data_func`` (newer Megatron-LM: the inference model)."""
+
+
+class LMLoop:
+    """One rank's run of Megatron-LM's training loop, seen by plugins as a trainer."""
+
+    def __init__(self, training: ModuleType, plugins: list[TrainerPlugin], providers: Providers,
+                 *, setup: Callable[..., Any], build_iterators: Callable[..., Any],
+                 announce: Callable[[TrainContext], None],
+                 emit: Callable[[dict[str, Any]], None],
+                 new_world: Callable[[int], None]) -> None:
+        """``setup`` and ``build_iterators``: Megatron-LM's originals (not the hook's);
+        ``announce`` shows a rebuilt model to the plugins, ``emit`` writes a record,
+        ``new_world(rank)`` tells the metrics file who its rank 0 is."""
+        self._training = training
+        self.plugins = plugins
+        self.providers = providers
+        self._setup = setup
+        self._build_iterators = build_iterators
+        self._announce = announce
+        self._emit = emit
+        self._new_world = new_world
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.after_step = ""
+        self._redo_after = ""
+        self._flops = 0.0
+        self.model: list[torch.nn.Module] = []
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.config: Any = None
+        self.hints: dict[str, Any] = {}
+        self._iterators: dict[int, Any] = {}
+        """id(an iterator pretrain() built) -> the one that replaces it now."""
+        self._originals: tuple[Any, Any, Any] = (None, None, None)
+        self._valid_mark = (-1, 0)
+        """(iteration, consumed validation samples) when that step's evaluation started."""
+        self._checkpointing: dict[str, Any] = {}
+        """pretrain()'s checkpointing context (its cached save and load strategies hold the
+        groups of the layout they were made for)."""
+        self._changes = 0
+        """Layout changes and checkpoint loads so far (one between steps unwinds ``train()``)."""
+
+    # ----------------------------------------------------------------- what pretrain built
+    def built(self, model: list[Any], optimizer: Any, scheduler: Any) -> None:
+        self.model, self.optimizer, self.scheduler = list(model), optimizer, scheduler
+        self.config = self._training.get_model_config(self.model[0])
+
+    def iterators_built(self, iterators: tuple[Any, Any, Any]) -> None:
+        """pretrain()'s (train, valid, test) iterators: later rebuilds replace them."""
+        self._originals = iterators
+        self._iterators = {id(it): it for it in iterators if it is not None}
+
+    def current(self, iterator: Any) -> Any:
+        """The iterator that replaces ``iterator`` (built by pretrain()) now."""
+        return self._iterators.get(id(iterator), iterator)
+
+    def current_objects(self, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any, Any]:
+        """The objects trained now, for a seam pretrain() calls with the ones it built."""
+        return (self.model if model is not None else None,
+                self.optimizer if optimizer is not None else None,
+                self.scheduler if scheduler is not None else None)
+
+    # ----------------------------------------------------------------- the loop
+    def train(self, original: Callable[..., Any], forward_step_func: Callable[..., Any],
+              model: list[Any], optimizer: Any, scheduler: Any, train_iterator: Any,
+              valid_iterator: Any, process_non_loss_data_func: Any, config: Any,
+              checkpointing_context: Any, non_loss_data_func: Any = None,
+              *rest: Any) -> tuple[int, float]:
+        """Megatron-LM's ``train()`` (``original``), re-entered after every recovery."""
+        entry = Entry(forward_step_func, process_non_loss_data_func, checkpointing_context,
+                      non_loss_data_func, rest)
+        args = self._training.get_args()
+        self.iteration, self.consumed_samples = args.iteration, args.consumed_train_samples
+        self._flops = args.num_floating_point_operations_so_far
+        if isinstance(checkpointing_context, dict):
+            self._checkpointing = checkpointing_context
+        self._valid_mark = (-1, args.consumed_valid_samples)
+        if any(p.on_train_start(self) == "stop" for p in self.plugins):
+            raise Leave()
+        while True:
+            try:
+                if self._redo_after:
+                    self._after_step_work(entry, self._take_redo_after())
+                return original(forward_step_func, self.model, self.optimizer, self.scheduler,
+                                self.current(train_iterator), self.current(valid_iterator),
+                                process_non_loss_data_func, self.config, checkpointing_context,
+                                non_loss_data_func, *rest)
+            except Reenter:
+                self._reentry()
+            except Leave:
+                raise
+            except Exception as exc:
+                phase, iteration = self.after_step, self.iteration
+                try:
+                    action = self._on_failed(exc)
+                finally:
+                    self.after_step = ""
+                if action is None:
+                    raise
+                if action == "stop":
+                    raise Leave() from None
+                if phase and self.iteration == iteration and not self._redo_after:
+                    self._redo_after = phase  # redone here alone (no recovery agreed on it)
+                self._reentry()
+
+    def _on_failed(self, exc: Exception) -> StepAction | None:
+        action = next((a for p in self.plugins if (a := p.on_step_failed(exc, self))), None)
+        if action != "abandon":
+            return action
+        if self.world_size == 1:
+            return "redo"
+        return next((a for p in self.plugins if (a := p.abandon_step(exc, self))), None)
+
+    def _reentry(self) -> None:
+        """Where train() starts again: the agreed step, its sample, fresh data iterators."""
+        args = self._training.get_args()
+        args.iteration, args.consumed_train_samples = self.iteration, self.consumed_samples
+        args.num_floating_point_operations_so_far = self._flops
+        if self._redo_after == "eval" and self._valid_mark[0] == self.iteration:
+            args.consumed_valid_samples = self._valid_mark[1]
+        # train() sets these again for its model; it refuses a no_sync_func left behind.
+        self.config.no_sync_func = self.config.grad_sync_func = None
+        self.config.param_sync_func = None
+        _reset_timers(self._training.get_timers())
+        _reset_rerun_state()
+        fresh = self._iterators_at_mark(args)
+        self._iterators = {id(old): new for old, new in zip(self._originals, fresh)
+                           if old is not None}
+
+    def _iterators_at_mark(self, args: Any) -> tuple[Any, Any, Any]:
+        """Data iterators at the consumed sample counts in ``args``. Megatron-LM takes a
+        validation count of 0 after step 0 for an old checkpoint's and derives one from the
+        iteration; before the first evaluation 0 is right, so it is shown step 0."""
+        derive = (args.iteration > 0 and args.consumed_valid_samples == 0
+                  and not getattr(args, "phase_transition_iterations", None))
+        iteration = args.iteration
+        if derive:
+            args.iteration = 0
+        try:
+            return self._build_iterators(self.providers.dataset_provider)
+        finally:
+            args.iteration = iteration
+
+    # ----------------------------------------------------------------- seams inside train()
+    def before_step(self) -> None:
+        """Called by the train_step seam: the plugins' work between steps (not before the
+        first step of an entry), then where the step starts."""
+        args = self._training.get_args()
+        if args.curr_iteration > args.iteration:
+            changes = self._changes
+            actions = [plugin.between_steps(self) for plugin in self.plugins]
+            if "stop" in actions:
+                raise Leave()
+            if self._changes != changes:
+                raise Reenter()
+        self.iteration, self.consumed_samples = args.curr_iteration, args.consumed_train_samples
+
+    def step_applied(self, samples: int, flops: float) -> None:
+        """The optimizer update of the step is applied: state describes one more step."""
+        self.iteration += 1
+        self.consumed_samples += samples
+        self._flops += flops
+
+    @contextlib.contextmanager
+    def after_step_phase(self, phase: str) -> Iterator[None]:
+        """Marks the evaluation or checkpoint after step ``iteration`` while it runs."""
+        if phase == "eval" and self._valid_mark[0] != self.iteration:
+            self._valid_mark = (self.iteration, self._training.get_args().consumed_valid_samples)
+        if phase == "save":
+            for plugin in self.plugins:
+                plugin.on_checkpoint(self.iteration)
+        self.after_step = phase
+        yield  # a failure leaves the phase set: the recovery agrees on it
+        self.after_step = ""
+
+    def _after_step_work(self, entry: Entry, start: str) -> None:
+        """Redo the work after step ``iteration`` that is due, from phase ``start`` on."""
+        args, it = self._training.get_args(), self.iteration
+        for phase in AFTER_STEP[AFTER_STEP.index(start):]:
+            if phase == "eval" and args.eval_interval and it % args.eval_interval == 0 \
+                    and args.do_valid:
+                self._training.evaluate_and_print_results(
+                    f"iteration {it}", entry.forward_step_func,
+                    self.current(self._originals[1]), self.model, it,
+                    entry.process_non_loss_data_func, self.config, verbose=False,
+                    write_to_tensorboard=True, non_loss_data_func=entry.non_loss_data_func)
+            if phase == "save" and args.save and args.save_interval \
+                    and it % args.save_interval == 0:
+                self._training.save_checkpoint_and_time(
+                    it, self.model, self.optimizer, self.scheduler, self._flops,
+                    entry.checkpointing_context,
+                    train_data_iterator=self.current(self._originals[0]))
+
+    def _take_redo_after(self) -> str:
+        phase, self._redo_after = self._redo_after, ""
+        if self.rank == 0:
+            logger.info("the work after step %d is redone from its %s in the new layout",
+                        self.iteration, "evaluation" if phase == "eval" else "checkpoint")
+        return phase
+
+    # ----------------------------------------------------------------- TrainerHandle
+    @property
+    def args(self) -> Any:
+        return self._training.get_args()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model[0].parameters()).device
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def model_and_optimizer(self) -> tuple[list[Any], Any]:
+        return self.model, self.optimizer
+
+    def train_data(self) -> Any:
+        raise RuntimeError("Megatron-LM's loop trains megatron layouts only (no plan runtime)")
+
+    def use_engine(self, engine: Any, *, rank: int, world_size: int,
+                   hints: dict[str, Any] | None = None) -> None:
+        raise RuntimeError("Megatron-LM's loop trains megatron layouts only (no plan runtime)")
+
+    def resume_at(self, *, iteration: int, consumed_samples: int,
+                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
+        self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
+        self._redo_after = after_step
+
+    def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
+                hints: dict[str, Any] | None = None) -> None:
+        """Model, optimizer and a fresh LR schedule through Megatron-LM's own
+        ``setup_model_and_optimizer`` for the layout whose groups the caller built; state
+        is the caller's to move in (nothing is loaded from ``--load``)."""
+        args = self._training.get_args()
+        if tp * pp < 1 or world_size % (tp * pp) or args.num_layers % pp:
+            raise ConfigError(f"layout tp={tp} x pp={pp} over {world_size} ranks does not fit "
+                              f"{args.num_layers} layers")
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+        args.transformer_pipeline_model_parallel_size = pp
+        args.world_size, args.rank = world_size, rank
+        args.data_parallel_size = world_size // (tp * pp)
+        from megatron.core.num_microbatches_calculator import (
+            reconfigure_num_microbatches_calculator,
+        )
+
+        reconfigure_num_microbatches_calculator(
+            rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+            args.data_parallel_size, args.decrease_batch_size_if_needed)
+        kept = (args.iteration, args.num_floating_point_operations_so_far, args.load,
+                args.pretrained_checkpoint)
+        args.load = args.pretrained_checkpoint = None
+        try:
+            built = self._setup(self.providers.model_provider, self.providers.model_type)
+        finally:
+            (args.iteration, args.num_floating_point_operations_so_far, args.load,
+             args.pretrained_checkpoint) = kept
+        self.built(*built)
+        for cached in ("save_strategy", "load_strategy"):  # made for the old groups
+            self._checkpointing.pop(cached, None)
+        self.hints = dict(hints or {})
+        self._new_world(rank)
+        self._changes += 1
+        self._announce(self.context())
+
+    def load(self, path: str) -> bool:
+        """Load the latest Megatron-LM checkpoint under ``path``; False when there is none."""
+        from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+        if not os.path.isfile(get_checkpoint_tracker_filename(path)):
+            return False
+        args = self._training.get_args()
+        kept_load, args.load = args.load, path
+        try:
+            iteration, flops = self._training.load_checkpoint(
+                self.model, self.optimizer, self.scheduler,
+                checkpointing_context=self._checkpointing)
+        finally:
+            args.load = kept_load
+        self.iteration, self.consumed_samples = iteration, args.consumed_train_samples
+        self._flops = flops
+        self._redo_after = ""  # a checkpoint is written after its step's evaluation
+        self._changes += 1
+        return True
+
+    def emit(self, record: dict[str, Any]) -> None:
+        self._emit(record)
+
+    def drop_final_save(self) -> None:
+        self._training.get_args().save = None
+
+    def context(self) -> TrainContext:
+        mpu, args = self._training.mpu, self._training.get_args()
+        return TrainContext(
+            model=list(self.model), config=self.config, args=args, device=self.device,
+            rank=self.rank, tp_rank=mpu.get_tensor_model_parallel_rank(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(),
+            pp_size=mpu.get_pipeline_model_parallel_world_size(),
+            dp_rank=mpu.get_data_parallel_rank(),
+            vpp_size=args.virtual_pipeline_model_parallel_size or 1,
+            pipeline_group=mpu.get_pipeline_model_parallel_group(),
+            extra={"optimizer": self.optimizer, "opt_param_scheduler": self.scheduler,
+                   **self.hints},
+        )
+
+
+def _reset_timers(timers: Any) -> None:
+    """Stop the timers a failure left running: train() starts its interval timer again, and
+    megatron's timers refuse a second start."""
+    for timer in getattr(timers, "_timers", {}).values():
+        if getattr(timer, "_started", False):
+            timer.reset()
+
+
+def _reset_rerun_state() -> None:
+    """A failed step leaves megatron's rerun state machine inside its run of the step: the
+    redo must start one afresh (the machine refuses to run it again otherwise)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET

@@ -1,0 +1,120 @@
+"""Fault tolerance through Megatron-LM's own pretrain_gpt.py (a patched copy of the real
+checkout), under chameleon-run on CPU ranks, against Megatron-LM's failure-free run of the
+same job: survivors re-plan through Megatron's parallel state and re-enter its loop, state
+comes from surviving replicas or, when none holds it, from Megatron-LM's own checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lm_support import copy_checkout, needs_real, patch  # noqa: E402
+
+pytestmark = [needs_real, pytest.mark.serial, pytest.mark.timeout(600)]
+
+JOB = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
+    "--train-iters 6 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--log-interval 1 --eval-interval 3 --eval-iters 1 --hidden-dropout 0 "
+    "--attention-dropout 0 --pipeline-model-parallel-size 2"
+).split()
+TOLERANCE = 1e-4
+"""Loss difference allowed against the failure-free run (a new layout sums in another order)."""
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    ckpt, env = copy_checkout(tmp_path_factory.mktemp("lm") / "Megatron-LM")
+    patch.apply(ckpt)
+    return ckpt, env
+
+
+def launch(checkout, out: Path, nproc: int, *extra: str, ft: bool = True) -> tuple[list[dict], str]:
+    """pretrain_gpt.py on ``nproc`` CPU ranks, under chameleon-run (``ft``) or torchrun;
+    (metrics records, the job's output)."""
+    ckpt, env = checkout
+    launcher = "chameleon_megatron.run" if ft else "torch.distributed.run"
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", str(nproc),
+           "pretrain_gpt.py", *JOB, "--chameleon-metrics-file", str(out), *extra]
+    run = subprocess.Popen(cmd, env=env, cwd=ckpt, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log = run.communicate(timeout=500)[0]
+    finally:  # the launcher's workers go with it
+        if run.poll() is None:
+            os.killpg(run.pid, 9)
+            run.wait()
+    assert run.returncode == 0, log[-8000:]
+    return [json.loads(line) for line in out.read_text().splitlines()], log
+
+
+@pytest.fixture(scope="module")
+def reference(checkout, tmp_path_factory):
+    """Megatron-LM's own run of the job on 4 ranks (PP2 x DP2), no failure, no Chameleon
+    fault tolerance: losses by iteration, validation losses by iteration."""
+    records, log = launch(checkout, tmp_path_factory.mktemp("ref") / "ref.jsonl", 4, ft=False)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+    return {r["iteration"]: r["loss"] for r in records}, dict(VALIDATION.findall(log))
+
+
+def iterations(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "iteration"]
+
+
+def recoveries(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "recovery"]
+
+
+def test_two_failures_recover_in_memory_with_the_losses_of_the_failure_free_run(
+        checkout, reference, tmp_path):
+    """PP2 x DP2 on 4 ranks. Rank 1 dies during the evaluation after step 3: the survivors
+    re-plan and redo that evaluation. Rank 2 dies in step 5: the survivor holding every layer
+    goes on alone. Checkpoints are written in every layout."""
+    losses, validation = reference
+    records, log = launch(
+        checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+        "--chameleon-inject-fault", "rank=1,iteration=3,phase=eval,kind=exit",
+        "--chameleon-inject-fault", "rank=2,iteration=5,phase=forward,kind=exit")
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]  # each runs exactly once
+    for r in steps:
+        assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
+    assert [r["world_size"] for r in steps] == [4, 4, 4, 2, 1, 1]
+    done = recoveries(records)
+    assert [(r["generation"], r["failed_ranks"], r["fallback"], r["redo_iteration"])
+            for r in done] == [(1, [1], None, 4), (2, [2], None, 5)]
+    assert all(r["layout_after"]["mode"] == "megatron" for r in done)
+    assert done[0]["migrated_bytes"] > 0  # state came from the surviving replicas
+    assert "the work after step 3 is redone from its evaluation" in log
+    assert dict(VALIDATION.findall(log)) == validation  # the same validation batches
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
+
+
+def test_state_without_a_surviving_copy_comes_from_megatron_lms_checkpoint(
+        checkout, reference, tmp_path):
+    """PP2 on 2 ranks (no replica): rank 1 dies in step 4; the survivor loads Megatron-LM's
+    checkpoint of step 2 into a one-rank layout and redoes steps 3 to 6."""
+    losses, _ = reference
+    records, log = launch(
+        checkout, tmp_path / "ft.jsonl", 2, "--chameleon-ft",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+        "--chameleon-inject-fault", "rank=1,iteration=4,phase=forward,kind=exit")
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 3, 4, 5, 6]
+    for r in steps:
+        assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
+    (done,) = recoveries(records)
+    assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == (
+        [1], "checkpoint", 3)
+    assert done["layout_after"]["ranks"] == [0]
+    assert "resumed from the checkpoint of iteration 2" in log
