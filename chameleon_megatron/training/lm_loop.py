@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
     StepAction,
@@ -337,9 +338,7 @@ class LMLoop:
 
     def load(self, path: str) -> bool:
         """Load the latest Megatron-LM checkpoint under ``path``; False when there is none."""
-        from megatron.training.checkpointing import get_checkpoint_tracker_filename
-
-        if not os.path.isfile(get_checkpoint_tracker_filename(path)):
+        if not os.path.isfile(os.path.join(path, TRACKER_FILE)):  # the same layout as ours
             return False
         args = self._training.get_args()
         kept_load, args.load = args.load, path
