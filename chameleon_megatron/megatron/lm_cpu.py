@@ -13,9 +13,11 @@ While ``pretrain()`` runs on a host without CUDA (``lm_cpu_platform``):
   kernels, which need nvcc, are not;
 * the ``torch.cuda`` functions that ``megatron.training`` calls unconditionally on its way
   (``empty_cache``, ``set_device``, the CUDA generator state a checkpoint saves and loads:
-  empty; streams are ``CpuPlatform``'s) become no-ops, and
-  ``device_count`` says 1 (one "device" per process: megatron builds its parallel state
-  only when it counts a device). ``torch.cuda.is_available()`` keeps saying False.
+  empty; streams are ``CpuPlatform``'s) become no-ops, and ``device_count`` says 1 (one
+  "device" per process: megatron builds its parallel state only when it counts a device).
+  ``torch.cuda.is_available()`` keeps saying False;
+* ``validate_args``' question for the GPU generation (with TP > 1) is answered "none", and
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which it then requires, is set where not given.
 
 Before that, ``set_cpu_defaults`` turns the Megatron-LM flags that a CPU needs into parser
 defaults (gloo, no fused CUDA kernels, no rerun state machine, local layers without
@@ -34,6 +36,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +49,12 @@ from chameleon_megatron.megatron.platform import CpuPlatform
 logger = logging.getLogger(__name__)
 
 HELPERS = "megatron.core.datasets.helpers_cpp"
+NO_GPU_ARCH = 0
+"""What Megatron-LM's ``get_device_arch_version`` says on a host without CUDA (its
+``validate_args`` asks with TP > 1): no GPU generation."""
+CPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+"""Environment Megatron-LM requires of a TP run on GPUs before Blackwell (which it takes a CPU
+for); a CPU has no CUDA connections to limit. Set for ``pretrain()`` where not given."""
 HELPERS_DIR = "megatron/core/datasets"
 CUDA_STAND_INS: dict[str, Callable[..., Any]] = {
     # _initialize_distributed builds megatron's parallel state only when it sees a device
@@ -153,16 +162,23 @@ def lm_cpu_platform(training: ModuleType, initialize: ModuleType) -> Iterator[bo
         return
     platform = CpuPlatform()
     saved: list[tuple[ModuleType, str, Any]] = []
+    env: dict[str, str] = {}
     try:
         platform.apply()
         _replace(training, "initialize_megatron",
                  lambda init: functools.partial(init, allow_no_cuda=True), saved)
         _replace(initialize, "_compile_dependencies", lambda _: _compile_dependencies_cpu, saved)
+        _replace(importlib.import_module("megatron.training.arguments"),
+                 "get_device_arch_version", lambda _: lambda: NO_GPU_ARCH, saved)
         for name, stand_in in CUDA_STAND_INS.items():
             _replace(torch.cuda, name, lambda _, f=stand_in: f, saved)
+        env = {k: v for k, v in CPU_ENV.items() if k not in os.environ}
+        os.environ.update(env)
         logger.info("no CUDA: Megatron-LM's training runs on the CPU (gloo)")
         yield True
     finally:
+        for name in env:
+            os.environ.pop(name, None)
         for module, name, value in reversed(saved):
             setattr(module, name, value)
         platform.remove()

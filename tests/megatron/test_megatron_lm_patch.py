@@ -264,6 +264,12 @@ def maybe_wrap(pretrain):
 STANDIN_ARGUMENTS = '''\
 import argparse
 
+import torch
+
+
+def get_device_arch_version():  # imported from megatron.training.utils; CUDA only
+    return torch.cuda.get_device_properties(torch.device("cuda:0")).major
+
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = argparse.ArgumentParser(allow_abbrev=False)

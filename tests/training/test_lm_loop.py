@@ -178,8 +178,9 @@ def test_a_failed_step_is_redone_in_a_new_entry_of_train_at_its_sample():
     assert run(fake, [plugin]) == (4, 0.0)
     assert plugin.seen == [(2, 16, "")]  # steps 1 and 2 applied when step 3 failed
     assert fake.steps == [1, 2, 3, 4]  # every step once
-    (iteration, consumed, iterator), second = fake.entries[0], fake.entries[1]
-    assert second[:2] == (2, 16) and second[2] is not iterator  # fresh data at sample 16
+    first, second = fake.entries
+    assert first[:2] == (0, 0) and second[:2] == (2, 16)
+    assert second[2] is not first[2]  # fresh data iterators, at sample 16
     assert fake.built[-1] == (2, 16, 8)  # one evaluation (after step 2) consumed 8 samples
     assert fake.loop.scheduler.loaded == [{"num_steps": 0}]
 
