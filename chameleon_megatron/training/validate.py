@@ -7,6 +7,7 @@ message that names the value and the limit it breaks.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.data_flags import check_data
@@ -37,6 +38,14 @@ def _check_model(args: argparse.Namespace) -> None:
     _need(args.num_attention_heads % args.num_query_groups == 0,
           f"--num-attention-heads={args.num_attention_heads} is not divisible by "
           f"--num-query-groups={args.num_query_groups}")
+
+
+def _local_layers() -> bool:
+    """Whether the model is built from megatron-core's local layer spec (no TE on CUDA)."""
+    import torch
+
+    return not (torch.cuda.is_available()
+                and importlib.util.find_spec("transformer_engine") is not None)
 
 
 def _check_layout(args: argparse.Namespace, world_size: int) -> None:
@@ -70,6 +79,12 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         _need(args.num_experts >= args.moe_router_topk >= 1,
               f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts="
               f"{args.num_experts}]")
+        # megatron-core's local experts add their bias in place to an autograd Function's
+        # output, which torch refuses in backward (measured with 0.16.1 on CPU)
+        _need(not (args.add_bias_linear and _local_layers()),
+              f"--num-experts={args.num_experts} with linear biases: the experts of "
+              "megatron-core's local layers (no Transformer Engine on CUDA) fail in backward; "
+              "give --disable-bias-linear")
 
 
 def _check_batch(args: argparse.Namespace) -> None:

@@ -1,12 +1,11 @@
-"""In-memory recovery of a --bf16 job under chameleon-run (CPU, gloo), against the
-failure-free bf16 run of one process.
+"""In-memory recovery of the configurations users run, under chameleon-run (CPU, gloo),
+against the failure-free run of one process: a --bf16 job and an MoE job.
 
-4 ranks, DP2 x PP2, bf16 parameters with fp32 main gradients, master weights and Adam
-moments: rank 0 dies in backward at step 3. The survivors re-plan onto a uniform layout (the
-plan runtime executes fp32 only, so rerouting is scored but not executed), move the bf16
-weights, their fp32 master copies and the Adam moments from the surviving replicas, and
-redo step 3: every step once, within the bf16 tolerance of the reference, and the final
-master weights and Adam moments as in the reference.
+4 ranks, DP2 x PP2, rank 0 dies in backward at step 3. The survivors re-plan onto a uniform
+layout (the plan runtime executes fp32 dense models only, so rerouting is scored but not
+executed), move weights (bf16: with their fp32 master copies) and Adam moments from the
+surviving replicas, and redo step 3: every step once, every loss within tolerance of the
+reference, and the final state as in the reference.
 """
 
 from __future__ import annotations
@@ -34,21 +33,35 @@ one-process run, this job up to 5 % and 1 % (measured). A state that was not mov
 in the losses of the redone step and in the Adam step count, which must be exact."""
 
 
-def test_a_bf16_job_recovers_in_memory(tmp_path: Path) -> None:
+def recover(tmp_path: Path, flags: tuple[str, ...], rtol: float) -> tuple[dict, dict, dict]:
+    """The reference with ``flags``, then the 4-rank job with them and one failure; checks
+    the losses. Returns (recovery record, reference dump, the job's dumps)."""
     (tmp_path / "reference").mkdir()
-    ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=("--bf16",))
+    ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=flags)
     job = tmp_path / "job"
     job.mkdir()
     profile = write_profile(job / "profile.json", favour="dp", tp=1)
     recs, dumps, log = launch(job, 4, [
-        "--bf16", "--pipeline-model-parallel-size", "2", *FT,
+        *flags, "--pipeline-model-parallel-size", "2", *FT,
         "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
         *faults("rank=0,iteration=3,phase=backward,kind=exit")], timeout_s=300)
-    assert assert_losses_match(recs, ref_losses, rtol=BF16_RTOL) == list(range(1, ITERS + 1)), \
+    assert assert_losses_match(recs, ref_losses, rtol=rtol) == list(range(1, ITERS + 1)), \
         log[-4000:]
     (done,) = [r for r in recs if r["event"] == "recovery"]
     assert (done["failed_ranks"], done["redo_iteration"], done["fallback"]) == ([0], 3, None)
     assert done["migrated_bytes"] > 0
+    return done, ref_dump, dumps
+
+
+def test_an_moe_job_recovers_in_memory(tmp_path: Path) -> None:
+    done, ref_dump, dumps = recover(tmp_path, ("--num-experts", "4", "--disable-bias-linear"),
+                                    rtol=1e-4)
+    assert done["decision"]["mode"] == "megatron"
+    assert_same_state(combine([ref_dump]), combine(list(dumps.values())))
+
+
+def test_a_bf16_job_recovers_in_memory(tmp_path: Path) -> None:
+    done, ref_dump, dumps = recover(tmp_path, ("--bf16",), rtol=BF16_RTOL)
     decision = done["decision"]
     assert decision["executed"] == "replan" and decision["mode"] == "megatron"
     if decision["choice"] == "reroute":  # scored best, but plans execute fp32 only
