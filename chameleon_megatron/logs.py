@@ -85,10 +85,11 @@ def setup_logging(rank: int = 0, *, level: int = logging.INFO) -> None:
 
 def log_ours(level: int = logging.INFO) -> None:
     """Our records at ``level`` on stderr, in a process whose logging someone else set up
-    (the launcher's agent, Megatron-LM's training script): nothing else changes."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(RecordFormatter(FORMAT))
+    (the launcher's agent, Megatron-LM's training script): nothing else changes. Once."""
     ours = logging.getLogger("chameleon_megatron")
     ours.setLevel(level)
-    ours.addHandler(handler)
+    if not any(isinstance(h.formatter, RecordFormatter) for h in ours.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(RecordFormatter(FORMAT))
+        ours.addHandler(handler)
     ours.propagate = False

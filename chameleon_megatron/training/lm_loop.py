@@ -56,14 +56,12 @@ class Providers:
 
 @dataclass
 class Entry:
-    """The arguments of ``train()`` a recovery does not replace (positional, in order)."""
+    """The arguments of ``train()`` the work after a step needs again."""
 
     forward_step_func: Callable[..., Any]
     process_non_loss_data_func: Any
     checkpointing_context: Any
     non_loss_data_func: Any
-    rest: tuple[Any, ...]
-    """Arguments after ``non_loss_data_func`` (newer Megatron-LM: the inference model)."""
 
 
 class LMLoop:
@@ -134,7 +132,7 @@ class LMLoop:
               *rest: Any) -> tuple[int, float]:
         """Megatron-LM's ``train()`` (``original``), re-entered after every recovery."""
         entry = Entry(forward_step_func, process_non_loss_data_func, checkpointing_context,
-                      non_loss_data_func, rest)
+                      non_loss_data_func)
         args = self._training.get_args()
         self.iteration, self.consumed_samples = args.iteration, args.consumed_train_samples
         self._flops = args.num_floating_point_operations_so_far
