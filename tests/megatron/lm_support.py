@@ -1,4 +1,5 @@
-"""Shared by the Megatron-LM tests: patches/apply.py loaded as a module, and copies of a
+"""Shared by the Megatron-LM tests: patches/apply.py loaded as a module, a synthetic
+checkout (a ``pretrain_gpt.py`` holding only the lines the patch keys on), and copies of a
 real checkout (CHAMELEON_MEGATRON_LM, else ../shared/megatron-lm next to the repository, as
 on CI)."""
 
@@ -38,3 +39,36 @@ def copy_checkout(dest: Path) -> tuple[Path, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(dest), str(REPO), os.environ.get("PYTHONPATH", "")])}
     return dest, env
+
+
+SYNTHETIC_SCRIPT = '''\
+"""Test stand-in for Megatron-LM's pretrain_gpt.py: only the lines the patch keys on."""
+from megatron.training import maybe_wrap, pretrain
+
+
+def forward_step(data_iterator, model):
+    return None
+
+
+if __name__ == "__main__":
+    # like Megatron-LM's in-process-restart wrapper, this parses the arguments first
+    pretrain, store = maybe_wrap(pretrain)
+
+    pretrain(
+        None,
+        None,
+        None,
+        forward_step,
+        extra_args_provider=None,
+        store=store,
+    )
+'''
+
+PACKAGE_INFO = "MAJOR = 0\nMINOR = {minor}\nPATCH = 1\nPRE_RELEASE = ''\n"
+
+
+def make_checkout(root: Path, script: str = SYNTHETIC_SCRIPT, minor: int = 16) -> Path:
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text(PACKAGE_INFO.format(minor=minor))
+    (root / "pretrain_gpt.py").write_bytes(script.encode())
+    return root
