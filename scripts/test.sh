@@ -12,13 +12,21 @@ fi
 # Two sessions side by side: the recovery jobs (marker `serial`: failures are found on
 # deadlines) one after another, and every other test beside them. A job's processes leave
 # the cores idle about a third of the time; two recovery jobs never compete for them.
+# When the other tests are done, the soak jobs (marker `soak`: a new random seed on every
+# run, and the seeds that found bugs) follow them, beside the last serial jobs.
 others=$(mktemp)
-"${pytest[@]}" -m "not serial" -p no:cacheprovider > "$others" 2>&1 &
+(
+    rc=0
+    "${pytest[@]}" -m "not serial" -p no:cacheprovider || rc=1
+    CHAMELEON_SOAK=1 "${pytest[@]}" -m soak -p no:cacheprovider || rc=1
+    exit "$rc"
+) > "$others" 2>&1 &
 pid=$!
-trap 'kill "$pid" 2>/dev/null || true; rm -f "$others"' EXIT  # interrupted: no session left running
+# interrupted: nothing left running
+trap 'pkill -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null || true; rm -f "$others"' EXIT
 status=0
-"${pytest[@]}" -m serial || status=$?
+"${pytest[@]}" -m "serial and not soak" || status=$?
 wait "$pid" || status=$?
-echo "=== the other tests (run beside the serial ones) ==="
+echo "=== the other tests and the soak (run beside the serial ones) ==="
 cat "$others"
 exit "$status"

@@ -3,7 +3,8 @@
 Heterogeneous pipelines and rerouted layouts run megatron-core's own model, schedules and
 communicators over groups built per plan, never through ``parallel_state``'s globals:
 
-* a stage's ``GPTModel`` with an explicit ``ProcessGroupCollection`` (``stage_gpt``);
+* a stage's ``GPTModel`` with an explicit ``ProcessGroupCollection`` (``stage_gpt``), its
+  layers from a ``pipeline_model_parallel_layout`` that knows the stage (``stage_layout``);
 * the 1F1B schedule of one pipeline with its own ``P2PCommunicator``
   (``pipeline_schedule``);
 * the single-microbatch ``forward_step``/``backward_step`` of megatron's schedules
@@ -19,7 +20,7 @@ megatron-core release that changes one is refused before a recovery tries to use
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,33 @@ def stage_groups(solo: dist.ProcessGroup, pipeline: Any) -> Any:
 
     return ProcessGroupCollection(tp=solo, cp=solo, pp=pipeline, embd=None, pos_embd=None,
                                   dp_cp=None)
+
+
+def stage_layout(counts: Sequence[int], stage: int) -> Any:
+    """megatron-core's ``pipeline_model_parallel_layout`` for a pipeline with ``counts``
+    layers per stage (any contiguous split), answering for ``stage``: megatron asks the
+    layout for this stage's layer count and offset with the rank read from parallel state,
+    which holds no such pipeline."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    class StageLayout(PipelineParallelLayerLayout):
+        def get_num_layers_to_build(self, layer_type: Any = LayerType.decoder,
+                                    vp_stage: int | None = None,
+                                    pp_rank: int | None = None) -> int:
+            return self.layout[stage if pp_rank is None else pp_rank][0].count(layer_type)
+
+        def get_layer_offset(self, layer_type: Any = LayerType.decoder,
+                             vp_stage: int | None = None, pp_rank: int | None = None) -> int:
+            upto = stage if pp_rank is None else pp_rank
+            return sum(self.layout[s][0].count(layer_type) for s in range(upto))
+
+    rows = [["decoder"] * c for c in counts]
+    rows[0].insert(0, "embedding")
+    rows[-1].append("loss")
+    return StageLayout(rows, len(counts))
 
 
 def stage_gpt(config: Any, layer_spec: Any, *, args: Any, pre_process: bool,

@@ -39,11 +39,13 @@ def launch(script: str, nproc: int, out: Path, timeout_s: float) -> None:
     run_command(cmd, timeout=timeout_s, env=worker_env(), log=out / "log")
 
 
-def parse():
+def parse(num_layers: int = 4):
     from chameleon_megatron.training.arguments import parse_args
     from chameleon_megatron.training.validate import validate_args
 
-    args = parse_args(ARGV)
+    argv = list(ARGV)
+    argv[argv.index("--num-layers") + 1] = str(num_layers)
+    args = parse_args(argv)
     validate_args(args, 1)
     return args
 
@@ -117,7 +119,7 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
     from chameleon_megatron.training.optim import build_scheduler
     from dc_helpers import make_profile
 
-    args = parse()
+    args = parse(scenarios()[0].plan.num_layers)
     launch = int(os.environ["RANK"])
     if launch == 0:
         reference(args, out)

@@ -1,15 +1,14 @@
 """Plain facts about a plan that its runtime needs (pure, no torch): where a rank sits,
-which microbatches each pipeline runs, a world-rank order its pipeline groups accept, how
-megatron expresses a layer split, what the runtime refuses, and the (local) state moves of
-a rerouting transition."""
+which microbatches each pipeline runs, a world-rank order its pipeline groups accept, what
+the runtime refuses, and the (local) state moves of a rerouting transition."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from chameleon_megatron.resilience.decision.layout import Plan, megatron_split
+from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.restorer import Transfer
 
 
@@ -63,21 +62,6 @@ def kept_in_place(plan: Plan, dead: Iterable[int]) -> tuple[Transfer, ...]:
                  for u in units for kind in ("params", "optimizer"))
 
 
-def first_last(counts: Sequence[int]) -> tuple[int | None, int | None]:
-    """``num_layers_in_first/last_pipeline_stage`` for a pipeline with ``counts`` layers per
-    stage; ValueError for splits megatron-core cannot express without a custom layout."""
-    depth = len(counts)
-    first, last = (counts[0], counts[-1]) if depth > 1 else (None, None)
-    try:
-        ok = megatron_split(sum(counts), depth, first, last) == tuple(counts)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"layer split {tuple(counts)}: megatron-core needs the middle stages "
-                         "to hold equal numbers of layers")
-    return first, last
-
-
 def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
     """Why the plan runtime cannot train this model on ``plan``'s tensor/virtual-pipeline
     sizes (the first reason), or None when it can."""
@@ -100,5 +84,3 @@ def check_plan_runtime(args: argparse.Namespace, plan: Plan) -> None:
     refusal = plan_refusal(args, plan)
     if refusal is not None:
         raise ValueError(refusal)
-    for pipe in plan.pipelines:
-        first_last([len(st.layers) for st in pipe.stages])

@@ -5,15 +5,15 @@ Search space (the brute force in the tests enumerates exactly this):
   max_pipelines pipelines, using D <= N units (at most max_idle_units idle);
 * the global batch (M microbatches) split in proportion to depth, floor(M d_j / D) each,
   the remainder going one each to some pipelines (none may end with zero);
-* per pipeline a layer split megatron-core can express without a custom layout:
-  first stage a layers, last stage b, the middle stages k each (a, b, k >= 1);
+* per pipeline any split of the layers into contiguous non-empty stages (megatron-core
+  expresses each with ``pipeline_model_parallel_layout``);
 * no stage over device memory (Eq. 14), or, when the profile has a swap bandwidth, none
   that swapping activations cannot fit (its times then include the copies, ``swap_model``).
 Objective: the slowest pipeline's longest path + gradient sync + step overhead.
 
 How it stays fast and exact:
 * a pipeline's time depends only on (depth, microbatches, its split), so the best split
-  is found once per (depth, microbatches), with lower-bound pruning; the sync term couples
+  is found once per (depth, microbatches), best-first on a bound (``splits``); the sync term couples
   pipelines only through the largest per-rank gradient bytes beta, so each (d, m) keeps
   the Pareto front of (beta, time) and a plan is scored at every beta threshold;
 * multisets are enumerated as counts per depth (not ordered partitions), depths in order
@@ -24,22 +24,16 @@ How it stays fast and exact:
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any, Callable
 
 from chameleon_megatron.resilience.decision.perf_model import hop_s, sync_s
 from chameleon_megatron.resilience.decision.profile import Profile
-from chameleon_megatron.resilience.decision.schedule import (
-    Schedule,
-    compile_schedule,
-    pipeline_lower_bound,
-)
-from chameleon_megatron.resilience.decision.swap_model import swap_times
+from chameleon_megatron.resilience.decision.schedule import Schedule, compile_schedule
+from chameleon_megatron.resilience.decision.splits import Front, SplitSearch, prefix_costs
 
 log = logging.getLogger(__name__)
 
@@ -100,75 +94,6 @@ class SearchResult:
     """Multisets scored."""
 
 
-@dataclass(frozen=True)
-class _Front:
-    """Pareto front of one (depth, microbatches): beta ascending, time descending."""
-
-    betas: tuple[float, ...]
-    times: tuple[float, ...]
-    splits: tuple[int, ...]
-
-    def best(self, beta: float) -> tuple[float, int]:
-        """Fastest (time, split) among splits with gradient bytes <= beta."""
-        i = bisect.bisect_right(self.betas, beta) - 1
-        return (self.times[i], self.splits[i]) if i >= 0 else (math.inf, -1)
-
-
-class _Splits:
-    """Megatron-expressible layer splits of one depth, with per-stage cost arrays."""
-
-    def __init__(self, profile: Profile, depth: int, uniform: bool) -> None:
-        L = profile.num_layers
-        counts = _split_counts(L, depth, uniform)
-        self.counts = counts
-        if not counts:
-            return
-        cum = _prefix_costs(profile)
-        ends = np.cumsum(np.array(counts), axis=1)
-        starts = ends - np.array(counts)
-        per = {k: cum[k][ends] - cum[k][starts] for k in cum}  # (n, depth) each
-        emb, out = profile.embedding, profile.output
-        for key, e, o in (("f", emb.forward_s, out.forward_s),
-                          ("b", emb.backward_s, out.backward_s),
-                          ("static", 2 * emb.param_bytes + emb.optimizer_bytes,
-                           2 * out.param_bytes + out.optimizer_bytes),
-                          ("act", emb.activation_bytes, out.activation_bytes),
-                          ("grad", emb.param_bytes, out.param_bytes)):
-            per[key][:, 0] += e
-            per[key][:, -1] += o
-        self.f, self.b = per["f"], per["b"]
-        self.static, self.act = per["static"], per["act"]
-        self.beta = per["grad"].max(axis=1)
-        self.stage_index = np.arange(depth)
-
-
-def _prefix_costs(profile: Profile) -> dict[str, np.ndarray]:
-    layers = profile.layers
-    cols = {
-        "f": [c.forward_s for c in layers],
-        "b": [c.backward_s for c in layers],
-        "static": [2 * c.param_bytes + c.optimizer_bytes for c in layers],
-        "act": [c.activation_bytes for c in layers],
-        "grad": [c.param_bytes for c in layers],
-    }
-    return {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in cols.items()}
-
-
-def _split_counts(L: int, d: int, uniform: bool) -> list[tuple[int, ...]]:
-    """(a, k, ..., k, b) with a, b, k >= 1 summing to L; only the even one if uniform."""
-    if d > L:
-        return []
-    if uniform or d == 1:
-        return [(L // d,) * d] if L % d == 0 else []
-    if d == 2:
-        return [(a, L - a) for a in range(1, L)]
-    out = []
-    for k in range(1, (L - 2) // (d - 2) + 1):
-        rest = L - (d - 2) * k
-        out.extend((a,) + (k,) * (d - 2) + (rest - a,) for a in range(1, rest))
-    return out
-
-
 class Planner:
     """Searches plans for one profile and options. Remembers each search and each
     (depth, microbatches) result, so planning for many failure cases shares work."""
@@ -177,10 +102,10 @@ class Planner:
         self.profile = profile
         self.options = options or SearchOptions()
         self._hop = hop_s(profile)
-        self._splits: dict[int, _Splits] = {}
-        self._fronts: dict[tuple[int, int], _Front] = {}
-        self._bounds: dict[tuple[int, int], tuple[float, float]] = {}
-        self._times: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._cum = prefix_costs(profile)
+        # (d, m): (below, what the splits faster than ``below`` give)
+        self._fronts: dict[tuple[int, int], tuple[float, Front]] = {}
+        self._bounds: dict[tuple[int, int], tuple[float, tuple[float, float]]] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._results: dict[tuple[int, int], SearchResult] = {}
         # compute of one microbatch through the whole model: M W / D bounds any plan on D units
@@ -188,79 +113,36 @@ class Planner:
                          for c in (*profile.layers, profile.embedding, profile.output))
 
     # -- per pipeline -------------------------------------------------------------------
-    def _split_table(self, d: int) -> _Splits:
-        if d not in self._splits:
-            self._splits[d] = _Splits(self.profile, d, self.options.uniform)
-        return self._splits[d]
+    def _split_search(self, d: int, m: int, below: float) -> SplitSearch:
+        return SplitSearch(self.profile, self._cum, d, m, self._hop,
+                           lambda: self._schedule(d, m), uniform=self.options.uniform,
+                           below=below)
 
-    def _stage_times(self, d: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per split of depth d with m microbatches: each stage's forward/backward time (with
-        the copies of a stage that must swap to fit) and whether every stage fits."""
-        key = (d, m)
-        if key not in self._times:
-            sp = self._split_table(d)
-            inflight = np.minimum(d - sp.stage_index, m)
-            self._times[key] = swap_times(sp.f, sp.b, sp.static, sp.act, inflight,
-                                          self.profile.device_memory_bytes,
-                                          self.profile.swap_bandwidth_Bps)
-        return self._times[key]
+    def _schedule(self, d: int, m: int) -> Schedule:
+        if (d, m) not in self._schedules:
+            self._schedules[(d, m)] = compile_schedule(d, 1, m)
+        return self._schedules[(d, m)]
 
-    def _feasible_bounds(self, d: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per split of depth d: fits memory with m microbatches; lower bound on its time."""
-        f, b, fits = self._stage_times(d, m)
-        return fits, pipeline_lower_bound(f, b, m, self._hop)
-
-    def bound(self, d: int, m: int) -> tuple[float, float]:
+    def bound(self, d: int, m: int, below: float = math.inf) -> tuple[float, float]:
         """(lower bound on the time, smallest gradient bytes) over the feasible splits of
-        (d, m); (inf, inf) when none fits. Cheap: no schedule is timed."""
-        key = (d, m)
-        if key not in self._bounds:
-            sp = self._split_table(d)
-            result = (math.inf, math.inf)
-            if sp.counts:
-                fits, lb = self._feasible_bounds(d, m)
-                if fits.any():
-                    result = (float(lb[fits].min()), float(sp.beta[fits].min()))
-            self._bounds[key] = result
-        return self._bounds[key]
+        (d, m) that may take less than ``below``; (inf, inf) when none does. Cheaper than
+        ``front``: no schedule is timed."""
+        return self._remembered(self._bounds, d, m, below, SplitSearch.bound)
 
-    def front(self, d: int, m: int) -> _Front:
-        """Pareto front of (gradient bytes, time) over the feasible splits of (d, m)."""
-        key = (d, m)
-        if key in self._fronts:
-            return self._fronts[key]
-        sp = self._split_table(d)
-        betas: list[float] = []
-        times: list[float] = []
-        splits: list[int] = []
-        if sp.counts:
-            fits, lb = self._feasible_bounds(d, m)
-            f, b, _ = self._stage_times(d, m)
-            if key not in self._schedules:
-                self._schedules[key] = compile_schedule(d, 1, m)
-            schedule = self._schedules[key]
-            for i in np.argsort(lb, kind="stable"):
-                if not fits[i]:
-                    continue
-                beta = float(sp.beta[i])
-                right = bisect.bisect_right(betas, beta)
-                bound = times[right - 1] if right else math.inf
-                if lb[i] >= bound:
-                    continue
-                t = schedule.time(f[i].tolist(), b[i].tolist(), self._hop)
-                if t >= bound:
-                    continue
-                # insert; drop the points it dominates (beta no smaller, time no smaller)
-                left = end = bisect.bisect_left(betas, beta)
-                while end < len(betas) and times[end] >= t:
-                    end += 1
-                betas[left:end], times[left:end], splits[left:end] = [beta], [t], [int(i)]
-        front = _Front(tuple(betas), tuple(times), tuple(splits))
-        self._fronts[key] = front
-        return front
+    def front(self, d: int, m: int, below: float = math.inf) -> Front:
+        """Pareto front of (gradient bytes, time) over the feasible splits of (d, m) that
+        take less than ``below`` (a plan with a slower pipeline cannot win)."""
+        return self._remembered(self._fronts, d, m, below,
+                                lambda search: search.front(below))
 
-    def split_counts(self, d: int, index: int) -> tuple[int, ...]:
-        return self._split_table(d).counts[index]
+    def _remembered(self, memo: dict, d: int, m: int, below: float, compute: Callable) -> Any:
+        """``compute`` of (d, m)'s splits faster than ``below``, or what an earlier call
+        found for a ``below`` no smaller (it holds every such split too)."""
+        known = memo.get((d, m))
+        if known is None or known[0] < below:
+            known = (below, compute(self._split_search(d, m, below)))
+            memo[(d, m)] = known
+        return known[1]
 
     # -- whole plan ---------------------------------------------------------------------
     def search(self, num_units: int, global_microbatches: int | None = None) -> SearchResult:
@@ -307,6 +189,10 @@ class _Search:
     def _sync(self, pipes: int, beta: float) -> float:
         return sync_s(self.p.profile, pipes, beta)
 
+    def _below(self) -> float:
+        """A pipeline at least this slow cannot be part of a plan faster than the best."""
+        return self.best - self.overhead
+
     def _out_of_time(self) -> bool:
         if self.best_shape is not None and time.perf_counter() > self.deadline:
             self.timed_out = True
@@ -329,12 +215,12 @@ class _Search:
             P = D // d
             if D % d or not self.opts.min_pipelines <= P <= self.max_pipes or self.M % P:
                 continue
-            front = self.p.front(d, self.M // P)
+            front = self.p.front(d, self.M // P, self._below())
             for beta, t, split in zip(front.betas, front.times, front.splits):
                 self.evaluated += 1
                 total = t + self._sync(P, beta) + self.overhead
                 if total < self.best:
-                    shape = PipelineShape(d, self.M // P, self.p.split_counts(d, split))
+                    shape = PipelineShape(d, self.M // P, split)
                     self.best, self.best_shape = total, (shape,) * P
 
     # -- heterogeneous plans ------------------------------------------------------------
@@ -343,7 +229,7 @@ class _Search:
         usable: list[_Depth] = []
         for d in range(self.opts.min_depth, self.max_depth + 1):
             fl = M * d // D
-            lb, beta = self.p.bound(d, max(fl, 1))
+            lb, beta = self.p.bound(d, max(fl, 1), self._below())
             if math.isfinite(lb):
                 usable.append(_Depth(d, fl, lb, beta))
         usable.sort(key=lambda u: (u.lb, u.depth))
@@ -371,7 +257,8 @@ class _Search:
             if max(lb_max, u.lb) + self._sync(pipes + 1, beta_max) + self.overhead >= self.best:
                 return  # rem > 0 needs a pipeline of usable[i:], whose bounds are no lower
             # past the cheap bound: the exact best time of this depth bounds better
-            fastest = min(self.p.front(u.depth, max(u.floor, 1)).times)
+            fastest = min(self.p.front(u.depth, max(u.floor, 1), self._below()).times,
+                          default=math.inf)
             new_lb, new_beta = max(lb_max, fastest), max(beta_max, u.beta)
             # the bound grows with the count (sync grows with P): test one pipeline first
             k_max = min(rem // u.depth, self.max_pipes - pipes)
@@ -399,8 +286,10 @@ class _Search:
         forced = sum(c for u, c in used if u.floor == 0)
         if extra < forced:
             return
-        fronts = [(self.p.front(u.depth, u.floor) if u.floor else None,
-                   self.p.front(u.depth, u.floor + 1) if extra else None) for u, _ in used]
+        below = self._below()
+        fronts = [(self.p.front(u.depth, u.floor, below) if u.floor else None,
+                   self.p.front(u.depth, u.floor + 1, below) if extra else None)
+                  for u, _ in used]
         betas = sorted({b for pair in fronts for f in pair if f is not None for b in f.betas})
         for beta in betas:
             worst, incs = _max_time(used, fronts, beta, extra - forced)
@@ -415,8 +304,7 @@ class _Search:
         for (u, c), (f0, f1), plus in zip(used, fronts, incs):
             for m, n, front in ((u.floor + 1, plus, f1), (u.floor, c - plus, f0)):
                 if n:
-                    counts = self.p.split_counts(u.depth, front.best(beta)[1])
-                    out.extend([PipelineShape(u.depth, m, counts)] * n)
+                    out.extend([PipelineShape(u.depth, m, front.best(beta)[1])] * n)
         return tuple(sorted(out, key=lambda s: (-s.depth, -s.microbatches)))
 
 

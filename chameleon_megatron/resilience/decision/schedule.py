@@ -11,6 +11,7 @@ this reduces to Eq. 9, (N_pp + N_m - 1)(t_f + t_b).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -57,18 +58,38 @@ class Schedule:
 
     def time(self, fwd: Sequence[float], bwd: Sequence[float], hop: float) -> float:
         """Longest path: each op starts when its stage is free and its input has arrived."""
+        return float(self.times(np.array([fwd], dtype=float), np.array([bwd], dtype=float),
+                                hop)[0])
+
+    def times(self, fwd: np.ndarray, bwd: np.ndarray, hop: float) -> np.ndarray:
+        """``time`` of many splits at once: rows of ``fwd``/``bwd`` (n, pp * vpp)."""
         nv = self.pp * self.vpp
-        if len(fwd) != nv or len(bwd) != nv:
-            raise ValueError(f"expected {nv} forward and backward times, got {len(fwd)}/{len(bwd)}")
-        dur = [*fwd, *bwd]
-        done = [0.0] * len(self.stage)
-        free = [0.0] * self.pp
-        for k, (s, d, need, cross) in enumerate(
-                zip(self.stage, self.duration, self.needs, self.crosses)):
-            ready = (done[need] + hop if cross else done[need]) if need >= 0 else 0.0
-            start = free[s] if free[s] > ready else ready
-            free[s] = done[k] = start + dur[d]
-        return max(free)
+        if fwd.shape[-1] != nv or bwd.shape[-1] != nv:
+            raise ValueError(f"expected {nv} forward and backward times, "
+                             f"got {fwd.shape[-1]}/{bwd.shape[-1]}")
+        dur = np.concatenate([fwd, bwd], axis=1).T  # (2 nv, n)
+        done = np.zeros((len(self.stage) + 1, fwd.shape[0]))  # row -1: "no op", at 0
+        for ops, prev, need, hops, d in self._waves:
+            done[ops] = np.maximum(done[prev], done[need] + hops * hop) + dur[d]
+        return done[:-1].max(axis=0)
+
+    @cached_property
+    def _waves(self) -> list[tuple[np.ndarray, ...]]:
+        """The ops grouped by depth in the dependency graph (an op waits for the op before
+        it on its stage and for its input): each group is timed at once. Per group: the ops,
+        the op before each on its stage, its input (-1: none), its hop (0 or 1), duration."""
+        prev, last = [], [-1] * self.pp
+        level: list[int] = []
+        for k, (s, need) in enumerate(zip(self.stage, self.needs)):
+            prev.append(last[s])
+            last[s] = k
+            level.append(1 + max(level[prev[k]] if prev[k] >= 0 else 0,
+                                 level[need] if need >= 0 else 0))
+        order = np.argsort(level, kind="stable")
+        cuts = np.flatnonzero(np.diff(np.array(level)[order])) + 1
+        cols = [np.array(c) for c in (prev, self.needs, self.crosses, self.duration)]
+        return [(ops, cols[0][ops], cols[1][ops], cols[2][ops][:, None].astype(float),
+                 cols[3][ops]) for ops in np.split(order, cuts)]
 
 
 def compile_schedule(pp: int, vpp: int, m: int) -> Schedule:
@@ -124,7 +145,21 @@ def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], m: int, hop: float
 def pipeline_lower_bound(fwd: ArrayLike, bwd: ArrayLike, m: int, hop: float) -> np.ndarray:
     """A lower bound on ``pipeline_time`` (vpp=1); exact for equal stages without hop (and
     with hop when m - 1 is a multiple of the depth). ``fwd``/``bwd`` hold stage times on
-    their last axis, so many layer splits can be bounded at once.
+    their last axis, so many layer splits can be bounded at once: the largest of the
+    stages' ``stage_bounds``."""
+    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    d = f.shape[-1]
+    c = f + b
+    before = np.cumsum(c, -1) - c
+    after = c.sum(-1, keepdims=True) - before - c
+    return stage_bounds(f, b, np.arange(d), d, m, hop, before, after).max(-1)
+
+
+def stage_bounds(f: np.ndarray, b: np.ndarray, stage: np.ndarray, depth: int, m: int,
+                 hop: float, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Each stage's bound on its pipeline's step (elementwise): the step lasts at least
+    this long whatever the other stages hold, given ``before``/``after``, the compute of one
+    microbatch on the stages before and after it (a lower bound of them keeps it a bound).
 
     Stage s runs 1F1B with w = min(d-s-1, m) warm-up forwards, so right after its backward
     of microbatch j it runs the forward of j+w+1, whose backward returns only after a round
@@ -133,15 +168,10 @@ def pipeline_lower_bound(fwd: ArrayLike, bwd: ArrayLike, m: int, hop: float) -> 
     remaining work, then draining the last backward through the stages before it
     (Z_s = sum_{s'<s} b + s hop), bounds the step; so does the stage's busy time m(f+b).
     """
-    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
-    d = f.shape[-1]
-    s = np.arange(d)
-    w = np.minimum(d - s - 1, m)
+    w = np.minimum(depth - stage - 1, m)
     q = (m - 1) // (w + 1)
     back = m - 1 - q * (w + 1)
     fwd_left = np.maximum(0, back - w)
     c = f + b
-    tail = np.flip(np.cumsum(np.flip(c, -1), -1), -1)
-    chained = (q + 1) * (tail + 2 * (d - 1 - s) * hop) + back * b + fwd_left * f
-    ends = np.cumsum(c, -1) - c + 2 * s * hop  # A_s + Z_s
-    return (ends + np.maximum(chained, m * c)).max(-1)
+    chained = (q + 1) * (c + after + 2 * (depth - 1 - stage) * hop) + back * b + fwd_left * f
+    return before + 2 * stage * hop + np.maximum(chained, m * c)

@@ -67,13 +67,13 @@ def stage_swap(*, static: float, act: float, in_flight: float, forward_s: float,
 def swap_times(f: np.ndarray, b: np.ndarray, static: np.ndarray, act: np.ndarray,
                in_flight: np.ndarray, cap: float,
                bandwidth_Bps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``stage_swap`` over arrays of stages (rows: candidate splits, columns: stages):
-    the per-microbatch times with copies, and whether every stage of a row fits."""
+    """``stage_swap`` over arrays of stages (elementwise, broadcast): the per-microbatch
+    times with copies, and whether each stage fits."""
     peak = static + in_flight * act
     over = np.maximum(peak - cap, 0.0)
     if bandwidth_Bps <= 0:
-        return f, b, (over <= 0).all(axis=1)
-    fits = ((over <= 0) | ((static + act <= cap) & (in_flight > 1))).all(axis=1)
+        return f, b, over <= 0
+    fits = (over <= 0) | ((static + act <= cap) & (in_flight > 1))
     waiting = np.maximum(in_flight - 1, 1)
     copy = over / waiting / bandwidth_Bps
     return np.maximum(f, copy), np.maximum(b, copy), fits

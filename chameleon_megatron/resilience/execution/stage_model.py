@@ -3,8 +3,8 @@ pipelines of different depths (a re-plan) or a kept layout with dead ranks (rero
 
 A stage is a plain ``GPTModel`` (no megatron DDP: its gradient sync is per layer, see
 ``grad_sync``) built from the trainer's arguments with its pipeline's depth and layer split
-(``num_layers_in_first/last_pipeline_stage``), so its layers carry their global numbers and
-its state units match every other holder's. Nothing here reads megatron's parallel state.
+(any contiguous split, as a ``pipeline_model_parallel_layout``), so its layers carry their
+global numbers and its state units match every other holder's. Nothing here reads megatron's parallel state.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron import plan_seams
 from chameleon_megatron.resilience.decision.layout import Plan
-from chameleon_megatron.resilience.decision.placement import Slot, first_last
+from chameleon_megatron.resilience.decision.placement import Slot
 from chameleon_megatron.training.model import (
     Kernels,
     available_kernels,
@@ -27,14 +27,17 @@ from chameleon_megatron.training.model import (
 )
 
 
-def stage_config(args: argparse.Namespace, counts: Sequence[int], kernels: Kernels) -> Any:
-    """The trainer's TransformerConfig for a pipeline with ``counts`` layers per stage."""
-    first, last = first_last(counts)
+def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
+                 kernels: Kernels) -> Any:
+    """The trainer's TransformerConfig for stage ``stage`` of a pipeline with ``counts``
+    layers per stage (any contiguous split)."""
+    layout = plan_seams.stage_layout(counts, stage) if len(counts) > 1 else None
     return dataclasses.replace(
         transformer_config(args, kernels), tensor_model_parallel_size=1,
         pipeline_model_parallel_size=len(counts),
         virtual_pipeline_model_parallel_size=None,
-        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+        num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+        pipeline_model_parallel_layout=layout,
     )
 
 
@@ -44,7 +47,7 @@ def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
     group at tp = 1). Weights are megatron's random init: load the real ones afterwards."""
     pipe = plan.pipelines[slot.pipeline]
     kernels = available_kernels()
-    config = stage_config(args, [len(st.layers) for st in pipe.stages], kernels)
+    config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
     return plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
                                 pre_process=slot.stage == 0,

@@ -16,11 +16,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def splits(L, d):
-    """Every (first, middle x (d - 2), last) split with at least one layer per stage."""
-    if d == 1:
-        return [(L,)]
-    return [c for c in itertools.product(range(1, L), repeat=d)
-            if sum(c) == L and len(set(c[1:-1])) <= 1]
+    """Every split into d contiguous stages of at least one layer."""
+    return [tuple(e - s for s, e in zip((0, *cuts), (*cuts, L)))
+            for cuts in itertools.combinations(range(1, L), d - 1)]
+
+
+def megatron_form(split):
+    """The old search space: first a, middle stages k each, last b."""
+    return len(set(split[1:-1])) <= 1
 
 
 def multisets(n, lo, hi, pmin, pmax, min_sum):
@@ -48,7 +51,8 @@ def build(depths, ms, layer_splits, L, tp):
         for split, m in zip(layer_splits, ms)))
 
 
-def brute_force(profile, n, opts):
+def brute_force(profile, n, opts, keep=lambda split: True):
+    """The fastest plan of the search space (its splits restricted to ``keep``)."""
     L, M, best = profile.num_layers, profile.global_microbatches, math.inf
     hi = min(opts.max_depth or L, n)
     idle = n if opts.max_idle_units is None else opts.max_idle_units
@@ -56,7 +60,8 @@ def brute_force(profile, n, opts):
                             min(opts.max_pipelines or n, M), n - idle):
         if opts.uniform and len(set(depths)) > 1:
             continue
-        options = [[(L // d,) * d] if opts.uniform else splits(L, d) for d in depths]
+        options = [[(L // d,) * d] if opts.uniform else list(filter(keep, splits(L, d)))
+                   for d in depths]
         if opts.uniform and L % depths[0]:
             continue
         for ms in batch_splits(depths, M):
@@ -112,6 +117,8 @@ CASES = [  # (seed, layers, microbatches, units, tp, options, profile)
     (1, 5, 8, 5, 1, SearchOptions(), swapping_profile),
     (7, 6, 8, 6, 1, SearchOptions(), swapping_profile),
     (9, 6, 8, 6, 1, SearchOptions(max_depth=4), swapping_profile),
+    (8, 6, 8, 5, 1, SearchOptions(), random_profile),
+    (16, 6, 8, 7, 1, SearchOptions(), swapping_profile),
 ]
 
 
@@ -135,14 +142,26 @@ def test_search_finds_the_brute_force_optimum(seed, L, M, n, tp, opts, factory):
 def test_cases_exercise_heterogeneous_optima_and_memory_pruning():
     """Guards the cases above against being trivial: some optimum mixes depths or uneven
     splits, and some plans are pruned by memory."""
-    mixed = pruned = 0
+    mixed = pruned = uneven = 0
     for seed, L, M, n, tp, opts, factory in CASES:
         profile = factory(random.Random(seed), L, M, tp)
         shape = Planner(profile, opts).search(n).pipelines or ()
         mixed += len({(p.depth, p.layer_counts) for p in shape}) > 1
         pruned += profile.device_memory_bytes < sum(2 * c.param_bytes + c.optimizer_bytes
                                                     for c in profile.layers)
-    assert mixed >= 3 and pruned >= 5
+        uneven += any(not megatron_form(p.layer_counts) for p in shape)
+    assert mixed >= 3 and pruned >= 5 and uneven >= 2
+
+
+@pytest.mark.parametrize("case", [7, 12])
+def test_splits_outside_the_first_middle_last_form_win(case):
+    """These optima have stages of unequal middle stages (case 7: a 2-layer stage between
+    1-layer ones): every plan whose splits have equal middle stages is slower."""
+    seed, L, M, n, tp, opts, factory = CASES[case]
+    profile = factory(random.Random(seed), L, M, tp)
+    found = Planner(profile, opts).search(n)
+    assert any(not megatron_form(p.layer_counts) for p in found.pipelines)
+    assert found.t_step_s < brute_force(profile, n, opts, keep=megatron_form)
 
 
 def test_swap_cases_plan_stages_over_memory_and_pay_their_stall():

@@ -3,9 +3,14 @@
 import heapq
 import random
 
+import numpy as np
 import pytest
 
-from chameleon_megatron.resilience.decision.schedule import pipeline_lower_bound, pipeline_time
+from chameleon_megatron.resilience.decision.schedule import (
+    compile_schedule,
+    pipeline_lower_bound,
+    pipeline_time,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,3 +96,11 @@ def test_lower_bound_is_valid_and_tight_for_equal_stages():
     for d, m, hop in [(4, 9, 0.0), (6, 20, 0.0), (3, 2, 0.0), (14, 169, 0.01)]:
         exact = pipeline_time([1.0] * d, [2.0] * d, m, hop)
         assert float(pipeline_lower_bound([1.0] * d, [2.0] * d, m, hop)) == pytest.approx(exact)
+
+
+def test_many_splits_are_timed_as_each_alone():
+    rng = np.random.default_rng(5)
+    schedule = compile_schedule(5, 1, 9)
+    fwd, bwd = rng.uniform(0.2, 2.0, (7, 5)), rng.uniform(0.2, 4.0, (7, 5))
+    got = schedule.times(fwd, bwd, 0.3)
+    assert got.tolist() == [schedule.time(f.tolist(), b.tolist(), 0.3) for f, b in zip(fwd, bwd)]

@@ -40,6 +40,7 @@ def test_the_array_form_agrees_with_the_scalar_one():
     static, act = np.array([[10.0, 10.0]]), np.array([[4.0, 4.0]])
     inflight = np.array([3, 1])  # the last stage holds one microbatch: 14 B
     f2, b2, fits = swap_times(f, b, static, act, inflight, 18.0, 1.0)
-    assert fits.tolist() == [True] and f2.tolist() == [[2.0, 1.0]] and b2.tolist() == [[2.0, 2.0]]
-    assert swap_times(f, b, static, act, inflight, 13.0, 1.0)[2].tolist() == [False]
-    assert swap_times(f, b, static, act, inflight, 18.0, 0.0)[2].tolist() == [False]
+    assert fits.tolist() == [[True, True]]
+    assert f2.tolist() == [[2.0, 1.0]] and b2.tolist() == [[2.0, 2.0]]
+    assert swap_times(f, b, static, act, inflight, 13.0, 1.0)[2].tolist() == [[False, False]]
+    assert swap_times(f, b, static, act, inflight, 18.0, 0.0)[2].tolist() == [[False, True]]

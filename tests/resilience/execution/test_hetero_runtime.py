@@ -1,7 +1,8 @@
 """A heterogeneous plan trains exactly what the failure-free run trains.
 
-Four ranks: pipeline 0 has depth 2 with an uneven split (layer 0 | layers 1-3) and 5
-microbatches, pipelines 1 and 2 have depth 1 with 3 and 2 microbatches. After two steps the
+Five ranks, five layers: pipeline 0 has depth 4 with a split whose middle stages differ
+(layer 0 | layers 1-2 | layer 3 | layer 4, which no first/middle/last form expresses) and 5
+microbatches; pipelines 1 and 2 have depth 1 with 3 and 2 microbatches. After two steps the
 losses, the gradient norms, the (clipped) gradients of step 1 and the parameters match the
 trainer in one process over the same global batch of 10 microbatches. Unequal shares make
 an average of per-pipeline averages differ from the sample-weighted loss, so that error, a
@@ -27,10 +28,11 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 def make_plan():
     from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage
 
-    return Plan(num_layers=4, pipelines=(
-        Pipeline(stages=(Stage((0,), (0,)), Stage((1, 2, 3), (1,))), microbatches=5),
-        Pipeline(stages=(Stage((0, 1, 2, 3), (2,)),), microbatches=3),
-        Pipeline(stages=(Stage((0, 1, 2, 3), (3,)),), microbatches=2),
+    return Plan(num_layers=5, pipelines=(
+        Pipeline(stages=(Stage((0,), (0,)), Stage((1, 2), (1,)), Stage((3,), (2,)),
+                         Stage((4,), (3,))), microbatches=5),
+        Pipeline(stages=(Stage(tuple(range(5)), (4,)),), microbatches=3),
+        Pipeline(stages=(Stage(tuple(range(5)), (5,)),), microbatches=2),
     ))
 
 
@@ -40,9 +42,9 @@ def test_unequal_shares_match_the_failure_free_run(tmp_path: Path) -> None:
     from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
     from dc_helpers import make_profile
 
-    launch(__file__, 4, tmp_path, timeout_s=170)
+    launch(__file__, 6, tmp_path, timeout_s=170)
     want = torch.load(tmp_path / "reference.pt")
-    ranks = {r: torch.load(tmp_path / "hetero" / f"rank{r}.pt") for r in range(4)}
+    ranks = {r: torch.load(tmp_path / "hetero" / f"rank{r}.pt") for r in range(6)}
     for r, got in ranks.items():
         for w, g in zip(want["loss"], got["loss"]):
             assert abs(g - w) <= TOL * abs(w), (r, want["loss"], got["loss"])
@@ -53,9 +55,9 @@ def test_unequal_shares_match_the_failure_free_run(tmp_path: Path) -> None:
     # Every unit of the model was checked on some rank.
     assert set().union(*(g["params"] for g in ranks.values())) == set(want["params"])
     # Each rank all-reduced exactly its groups of the restorer's DSATUR rounds, in order.
-    plan, profile = make_plan(), make_profile(4, gbs=10)
+    plan, profile = make_plan(), make_profile(5, gbs=10)
     groups, rounds = allreduce_groups(plan, profile), allreduce_rounds(plan, profile)
-    assert len(rounds) == 2
+    assert len(rounds) == 4  # every group holds ranks 4 and 5: one group per round
     for r, got in ranks.items():
         expected = [(k, groups[i].ranks) for k, rnd in enumerate(rounds) for i in rnd
                     if r in groups[i].ranks]

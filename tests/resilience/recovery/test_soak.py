@@ -13,8 +13,9 @@ weights and Adam moments, and nothing is left running.
 
 ``test_soak_random_seed`` draws a new seed and names it on failure;
 ``CHAMELEON_SOAK_SEED=<seed>`` replays one; ``test_soak_replays_seeds_that_found_bugs``
-replays the seeds that found bugs. The soak jobs (a few minutes each) run only with
-``CHAMELEON_SOAK=1``; the schedule's own test always runs.
+replays the seeds that found bugs. The soak jobs (a few minutes each, marker ``soak``) run
+only with ``CHAMELEON_SOAK=1``, which ``scripts/test.sh`` sets for them on every run; the
+schedule's own test always runs.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ from chameleon_megatron.resilience.store.announce import read_failures
 from chameleon_megatron.resilience.store.job_store import JobStore
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900), pytest.mark.serial]
-soak_job = pytest.mark.skipif(not os.environ.get("CHAMELEON_SOAK"),
-                              reason="soak jobs run with CHAMELEON_SOAK=1")
+def soak_job(test):
+    """A soak job: a few minutes of 8 ranks; scripts/test.sh runs them (marker ``soak``)
+    after the other tests, with CHAMELEON_SOAK=1."""
+    return pytest.mark.soak(pytest.mark.skipif(
+        not os.environ.get("CHAMELEON_SOAK"), reason="soak jobs run with CHAMELEON_SOAK=1")(test))
 
 ITERS = 200
 RANKS = 8
