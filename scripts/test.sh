@@ -23,7 +23,7 @@ others=$(mktemp)
 ) > "$others" 2>&1 &
 pid=$!
 # interrupted: nothing left running
-trap 'pkill -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null || true; rm -f "$others"' EXIT
+trap 'pkill -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; rm -f "$others"' EXIT
 status=0
 "${pytest[@]}" -m "serial and not soak" || status=$?
 wait "$pid" || status=$?

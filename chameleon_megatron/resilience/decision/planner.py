@@ -33,7 +33,12 @@ from typing import Any, Callable
 from chameleon_megatron.resilience.decision.perf_model import hop_s, sync_s
 from chameleon_megatron.resilience.decision.profile import Profile
 from chameleon_megatron.resilience.decision.schedule import Schedule, compile_schedule
-from chameleon_megatron.resilience.decision.splits import Front, SplitSearch, prefix_costs
+from chameleon_megatron.resilience.decision.splits import (
+    Deadline,
+    Front,
+    SplitSearch,
+    prefix_costs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +134,13 @@ class Planner:
         ``front``: no schedule is timed."""
         return self._remembered(self._bounds, d, m, below, SplitSearch.bound)
 
-    def front(self, d: int, m: int, below: float = math.inf) -> Front:
+    def front(self, d: int, m: int, below: float = math.inf,
+              deadline: float = math.inf) -> Front:
         """Pareto front of (gradient bytes, time) over the feasible splits of (d, m) that
-        take less than ``below`` (a plan with a slower pipeline cannot win)."""
+        take less than ``below`` (a plan with a slower pipeline cannot win). ``Deadline``
+        (nothing remembered) when ``time.perf_counter()`` passes ``deadline`` first."""
         return self._remembered(self._fronts, d, m, below,
-                                lambda search: search.front(below))
+                                lambda search: search.front(below, deadline))
 
     def _remembered(self, memo: dict, d: int, m: int, below: float, compute: Callable) -> Any:
         """``compute`` of (d, m)'s splits faster than ``below``, or what an earlier call
@@ -193,6 +200,10 @@ class _Search:
         """A pipeline at least this slow cannot be part of a plan faster than the best."""
         return self.best - self.overhead
 
+    def _deadline(self) -> float:
+        """When a split search must give up: the deadline once some plan is known."""
+        return self.deadline if self.best_shape is not None else math.inf
+
     def _out_of_time(self) -> bool:
         if self.best_shape is not None and time.perf_counter() > self.deadline:
             self.timed_out = True
@@ -204,10 +215,10 @@ class _Search:
         for D in range(self.n, fewest - 1, -1):
             if self.M * self.p._work / D + self.overhead >= self.best or self._out_of_time():
                 break
-            if self.opts.uniform:
-                self._uniform(D)
-            else:
-                self._multisets(D)
+            try:
+                self._uniform(D) if self.opts.uniform else self._multisets(D)
+            except Deadline:
+                self.timed_out = True
 
     # -- uniform plans ------------------------------------------------------------------
     def _uniform(self, D: int) -> None:
@@ -215,7 +226,7 @@ class _Search:
             P = D // d
             if D % d or not self.opts.min_pipelines <= P <= self.max_pipes or self.M % P:
                 continue
-            front = self.p.front(d, self.M // P, self._below())
+            front = self.p.front(d, self.M // P, self._below(), self._deadline())
             for beta, t, split in zip(front.betas, front.times, front.splits):
                 self.evaluated += 1
                 total = t + self._sync(P, beta) + self.overhead
@@ -257,7 +268,8 @@ class _Search:
             if max(lb_max, u.lb) + self._sync(pipes + 1, beta_max) + self.overhead >= self.best:
                 return  # rem > 0 needs a pipeline of usable[i:], whose bounds are no lower
             # past the cheap bound: the exact best time of this depth bounds better
-            fastest = min(self.p.front(u.depth, max(u.floor, 1), self._below()).times,
+            fastest = min(self.p.front(u.depth, max(u.floor, 1), self._below(),
+                                       self._deadline()).times,
                           default=math.inf)
             new_lb, new_beta = max(lb_max, fastest), max(beta_max, u.beta)
             # the bound grows with the count (sync grows with P): test one pipeline first
@@ -286,9 +298,9 @@ class _Search:
         forced = sum(c for u, c in used if u.floor == 0)
         if extra < forced:
             return
-        below = self._below()
-        fronts = [(self.p.front(u.depth, u.floor, below) if u.floor else None,
-                   self.p.front(u.depth, u.floor + 1, below) if extra else None)
+        below, deadline = self._below(), self._deadline()
+        fronts = [(self.p.front(u.depth, u.floor, below, deadline) if u.floor else None,
+                   self.p.front(u.depth, u.floor + 1, below, deadline) if extra else None)
                   for u, _ in used]
         betas = sorted({b for pair in fronts for f in pair if f is not None for b in f.betas})
         for beta in betas:

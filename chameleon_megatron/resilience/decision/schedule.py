@@ -166,12 +166,16 @@ def stage_bounds(f: np.ndarray, b: np.ndarray, stage: np.ndarray, depth: int, m:
     trip through stages s..d-1: C_s = sum_{s'>=s}(f+b) + 2(d-1-s) hop. Chaining these from
     microbatch 0 (which arrives after A_s = sum_{s'<s} f + s hop), then the stage's
     remaining work, then draining the last backward through the stages before it
-    (Z_s = sum_{s'<s} b + s hop), bounds the step; so does the stage's busy time m(f+b).
+    (Z_s = sum_{s'<s} b + s hop), bounds the step; so does the stage's busy time m(f+b);
+    and so does its first round trip (microbatch 0's forward through the later stages and
+    back) followed by every backward and the forwards it could not run while waiting.
     """
     w = np.minimum(depth - stage - 1, m)
     q = (m - 1) // (w + 1)
     back = m - 1 - q * (w + 1)
     fwd_left = np.maximum(0, back - w)
     c = f + b
-    chained = (q + 1) * (c + after + 2 * (depth - 1 - stage) * hop) + back * b + fwd_left * f
-    return before + 2 * stage * hop + np.maximum(chained, m * c)
+    trip = after + 2 * (depth - 1 - stage) * hop
+    chained = (q + 1) * (c + trip) + back * b + fwd_left * f
+    first_trip = trip + (m - np.minimum(w, m - 1)) * f + m * b
+    return before + 2 * stage * hop + np.maximum(np.maximum(chained, m * c), first_trip)

@@ -28,6 +28,7 @@ import bisect
 import heapq
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,10 @@ from chameleon_megatron.resilience.decision.swap_model import swap_times
 
 Split = tuple[int, ...]
 """Transformer layers of each stage."""
+
+
+class Deadline(Exception):
+    """A split search passed its deadline (what it found is incomplete: not kept)."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,13 @@ class SplitSearch:
         after = np.full((d, K), math.inf)
         before[0][0] = 0.0
         after[d - 1][K - 1] = 0.0
-        rows = np.broadcast_to(np.arange(K)[:, None], (K, W))
+        j = np.arange(W)[None, :]
+        prev = np.arange(K)[:, None] - j  # [a2, j]: the stage before started at a2 - j
+        cut = prev < 0
+        prev = np.maximum(prev, 0)
         for s in range(1, d):
-            reach = np.full((K, K), math.inf)  # [a, a2]: stage s - 1 from a, next at a2
-            np.minimum.at(reach, (rows, self.next), before[s - 1][:, None] + c[s - 1])
-            before[s] = reach.min(axis=0)
+            into = before[s - 1][prev] + c[s - 1][prev, j]
+            before[s] = np.where(cut, math.inf, into).min(axis=1)
             after[d - 1 - s] = (c[d - s] + after[d - s][self.next]).min(axis=1)
         return before, after
 
@@ -154,15 +161,16 @@ class SplitSearch:
         return lb, float(self._completions(grad)[0][0])
 
     # -- the search ----------------------------------------------------------------------
-    def front(self, below: float = math.inf) -> Front:
+    def front(self, below: float = math.inf, deadline: float = math.inf) -> Front:
         """Pareto front of (gradient bytes, time) over the splits that fit and take less
-        than ``below``."""
+        than ``below``; ``Deadline`` when ``time.perf_counter()`` passes ``deadline``."""
         betas: list[float] = []
         times: list[float] = []
         splits: list[Split] = []
         cap = math.inf
         while self.term.size:
-            found = self._fastest(np.where(self.grad < cap, self.term, math.inf), below)
+            found = self._fastest(np.where(self.grad < cap, self.term, math.inf), below,
+                                  deadline)
             if found is None:
                 break
             t, beta, split = found
@@ -172,7 +180,8 @@ class SplitSearch:
             cap = beta
         return Front(tuple(reversed(betas)), tuple(reversed(times)), tuple(reversed(splits)))
 
-    def _fastest(self, term: np.ndarray, below: float) -> tuple[float, float, Split] | None:
+    def _fastest(self, term: np.ndarray, below: float,
+                 deadline: float) -> tuple[float, float, Split] | None:
         """Exact fastest split among those with a finite term, best-first on the bound;
         (time, beta, split), the least beta among the fastest; None when none is finite or
         none takes less than ``below``. Splits are timed in batches (doubling) of those
@@ -191,6 +200,8 @@ class SplitSearch:
             if batch and (len(batch) >= size or not heap or heap[0][0] >= bar):
                 best = self._timed(best, batch)
                 batch, size = [], min(2 * size, 256)
+                if time.perf_counter() > deadline:
+                    raise Deadline
                 continue
             key, _, s, a, prefix, starts = heapq.heappop(heap)
             if key >= bar:

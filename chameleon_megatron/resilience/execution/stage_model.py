@@ -4,7 +4,8 @@ pipelines of different depths (a re-plan) or a kept layout with dead ranks (rero
 A stage is a plain ``GPTModel`` (no megatron DDP: its gradient sync is per layer, see
 ``grad_sync``) built from the trainer's arguments with its pipeline's depth and layer split
 (any contiguous split, as a ``pipeline_model_parallel_layout``), so its layers carry their
-global numbers and its state units match every other holder's. Nothing here reads megatron's parallel state.
+global numbers and its state units match every other holder's. Nothing here reads
+megatron's parallel state.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def test_lower_bound_is_valid_and_tight_for_equal_stages():
         fwd = [rng.uniform(0.2, 2.0) for _ in range(d)]
         bwd = [rng.uniform(0.2, 4.0) for _ in range(d)]
         hop = rng.choice([0.0, 0.3])
-        assert float(pipeline_lower_bound(fwd, bwd, m, hop)) <= pipeline_time(fwd, bwd, m, hop) + 1e-9
+        bound = float(pipeline_lower_bound(fwd, bwd, m, hop))
+        assert bound <= pipeline_time(fwd, bwd, m, hop) + 1e-9
     for d, m, hop in [(4, 9, 0.0), (6, 20, 0.0), (3, 2, 0.0), (14, 169, 0.01)]:
         exact = pipeline_time([1.0] * d, [2.0] * d, m, hop)
         assert float(pipeline_lower_bound([1.0] * d, [2.0] * d, m, hop)) == pytest.approx(exact)
@@ -104,3 +105,13 @@ def test_many_splits_are_timed_as_each_alone():
     fwd, bwd = rng.uniform(0.2, 2.0, (7, 5)), rng.uniform(0.2, 4.0, (7, 5))
     got = schedule.times(fwd, bwd, 0.3)
     assert got.tolist() == [schedule.time(f.tolist(), b.tolist(), 0.3) for f, b in zip(fwd, bwd)]
+
+
+def test_the_bound_counts_the_first_round_trip_of_heavy_early_stages():
+    """Five 8-layer stages before eight 7-layer ones: each early stage waits for microbatch
+    0's round trip, then still has every backward to run. Without that term the bound is
+    3.6 % under the step; with it, 1 %."""
+    c = np.array([8.0] * 5 + [7.0] * 8)
+    fwd, bwd = c / 3, 2 * c / 3
+    exact = pipeline_time(list(fwd), list(bwd), 157, 0.0)
+    assert exact - float(pipeline_lower_bound(fwd, bwd, 157, 0.0)) < 0.012 * exact
