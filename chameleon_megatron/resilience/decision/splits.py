@@ -114,7 +114,13 @@ class SplitSearch:
                                 profile.swap_bandwidth_Bps)
         ok = valid & fits & (m * (f + b) < below)
         self.next = np.minimum(a + j, K - 1)[0]  # (K, W): where the next stage starts
-        before, after = self._least_sums(np.where(ok, f + b, math.inf))
+        if profile.swap_bandwidth_Bps > 0:
+            before, after = self._least_sums(np.where(ok, f + b, math.inf))
+        else:  # no copies: the stages before and after hold exactly their layers' compute
+            c = cum["f"] + cum["b"]
+            rows, cols = np.arange(d)[:, None], np.arange(K)[None, :]
+            before = c[rows + cols] + (rows > 0) * (emb.forward_s + emb.backward_s)
+            after = c[L] - c[rows + 1 + cols] + (rows < d - 1) * (out.forward_s + out.backward_s)
         term = stage_bounds(f, b, i, d, m, hop, before[:, :, None], after[:, self.next])
         self.term = np.where(ok, term, math.inf)
         self.f, self.b, self.grad = f, b, per["grad"]
