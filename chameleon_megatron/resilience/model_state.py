@@ -4,7 +4,8 @@ A unit is a transformer layer (global index, 0-based), the embedding or the outp
 (final norm and output projection), as in ``resilience.layout``. Within a unit, tensors are
 named by their parameter path below the unit (``self_attention.linear_qkv.weight``), so the
 same layer has the same names on every rank whatever the pipeline split. Optimizer state is
-named ``<param>/<key>`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``); with mixed precision
+named ``<param>/<key>`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's
+``momentum_buffer``); with mixed precision
 the fp32 main copy travels with the parameters as ``<param>/main``.
 
 Tied embeddings: a model held by one stage has no output weight of its own (it reuses the
@@ -21,7 +22,7 @@ import torch
 from chameleon_megatron.resilience.decision.layout import EMBEDDING, OUTPUT, StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind
 
-_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+_MIGRATED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _OUTPUT_WEIGHT = "output_layer.weight"
 
 
@@ -84,8 +85,8 @@ def optimizer_slots(optimizer: Any) -> dict[int, tuple[torch.optim.Optimizer, to
             raise ValueError("in-memory recovery needs --use-distributed-optimizer off "
                              "(its state is sharded over data-parallel ranks that may be gone)")
         inner = leaf.optimizer
-        if not isinstance(inner, _ADAM):
-            raise ValueError(f"in-memory optimizer migration supports Adam/AdamW, "
+        if not isinstance(inner, _MIGRATED):
+            raise ValueError(f"in-memory optimizer migration supports Adam, AdamW and SGD, "
                              f"not {type(inner).__name__}")
         main_of = {}
         if hasattr(leaf, "float16_groups"):  # mixed precision: fp32 main copies
@@ -98,9 +99,16 @@ def optimizer_slots(optimizer: Any) -> dict[int, tuple[torch.optim.Optimizer, to
     return slots
 
 
-def _adam_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
-    """The Adam state of ``main``, created as torch would before its first step (zeros)."""
+def _state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
+    """The optimizer state of ``main``, created before its first step: Adam's zero moments
+    and step as torch creates them; SGD's momentum buffer as zeros (torch starts it from
+    the first gradient, which a zero buffer gives exactly: 0 * momentum + gradient)."""
     state = inner.state[main]
+    if isinstance(inner, torch.optim.SGD):
+        if group["momentum"] and state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(main,
+                                                        memory_format=torch.preserve_format)
+        return state
     if not state:
         on_device = group.get("capturable") or group.get("fused")
         state["step"] = torch.zeros((), dtype=torch.float32,
@@ -136,6 +144,6 @@ class ModelState:
                 if main is not param:
                     out[f"{name}/main"] = main.detach()
             else:
-                for key, value in _adam_state(inner, main, group).items():
+                for key, value in _state(inner, main, group).items():
                     out[f"{name}/{key}"] = value
         return out

@@ -90,6 +90,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")

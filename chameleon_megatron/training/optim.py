@@ -20,6 +20,7 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]):
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
         use_distributed_optimizer=args.use_distributed_optimizer,
         clip_grad=args.clip_grad,
     )

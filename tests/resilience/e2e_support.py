@@ -133,22 +133,50 @@ def combine(dumps: list[dict]) -> dict[str, dict[str, float]]:
         for key, v in d["sums"].items():
             if not v["sharded"] and d["tp_rank"] != 0:
                 continue
-            acc = total.setdefault(key, {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0,
-                                         "step": v["step"]})
-            for k in ("param", "exp_avg", "exp_avg_sq"):
-                acc[k] += v[k]
+            acc = total.setdefault(key, {"step": v["step"]})
+            for k in summed(v):
+                acc[k] = acc.get(k, 0.0) + v[k]
     return total
 
 
+def summed(sums: dict) -> list[str]:
+    """The sums of squares in one parameter's entry: the weight and its optimizer state."""
+    return [k for k in sums if k not in ("sharded", "step")]
+
+
 def assert_same_state(want: dict, got: dict, rtol: float = 1e-4, iters: int = ITERS) -> None:
-    """Every parameter of the reference: same weights and Adam moments, ``iters`` Adam steps."""
+    """Every parameter of the reference: same weights and optimizer state (Adam's moments,
+    SGD's momentum), ``iters`` Adam steps."""
     missing = sorted(set(want) - set(got))
     assert not missing, f"parameters missing after recovery: {missing}"
     for key, w in want.items():
         g = got[key]
-        assert g["step"] == iters, (key, g["step"])
-        for k in ("param", "exp_avg", "exp_avg_sq"):
+        assert g["step"] == (iters if w["step"] is not None else None), (key, g["step"])
+        assert sorted(summed(g)) == sorted(summed(w)), (key, g, w)
+        for k in summed(w):
             assert math.isclose(g[k], w[k], rel_tol=rtol, abs_tol=1e-30), (key, k, w[k], g[k])
+
+
+TIED = {"output|output_layer.weight": "embedding|word_embeddings.weight"}
+"""A last stage's copy of the tied word embeddings (one process has none)."""
+
+
+def assert_every_copy_matches(ref_dump: dict, dumps: dict, rtol: float = 1e-4) -> None:
+    """TP 1: every copy of every parameter on a rank that holds state equals the one-process
+    reference (weight and optimizer state), and the copies cover the whole model."""
+    holders = {r: d for r, d in dumps.items() if not d.get("spare")}
+    assert holders, dumps
+    want = ref_dump["sums"]
+    covered: set[str] = set()
+    for rank, dump in holders.items():
+        for key, got in dump["sums"].items():
+            w = want[TIED.get(key, key)]
+            assert got["step"] == w["step"], (rank, key, got["step"], w["step"])
+            assert sorted(summed(got)) == sorted(summed(w)), (rank, key, got, w)
+            for k in summed(w):
+                assert math.isclose(got[k], w[k], rel_tol=rtol, abs_tol=1e-30), (rank, key, k)
+            covered.add(TIED.get(key, key))
+    assert covered >= set(want), sorted(set(want) - covered)
 
 
 def assert_losses_match(recs: list[dict], ref: dict[int, float], rtol: float = 1e-4) -> list[int]:

@@ -33,12 +33,14 @@ def state_sums(ctx: Any) -> dict:
     for unit, params in unit_parameters(model).items():
         optim = view.tensors(unit, "optimizer")
         for name, p in params.items():
+            state = {key.rpartition("/")[2]: t for key, t in optim.items()
+                     if key.rpartition("/")[0] == name}
+            step = state.pop("step", None)  # Adam's; SGD keeps a momentum buffer only
             sums[f"{unit}|{name}"] = {
                 "sharded": bool(getattr(p, "tensor_model_parallel", False)),
                 "param": float(p.detach().double().pow(2).sum()),
-                "exp_avg": float(optim[f"{name}/exp_avg"].double().pow(2).sum()),
-                "exp_avg_sq": float(optim[f"{name}/exp_avg_sq"].double().pow(2).sum()),
-                "step": float(optim[f"{name}/step"]),
+                **{key: float(t.double().pow(2).sum()) for key, t in state.items()},
+                "step": None if step is None else float(step),
             }
     return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
 

@@ -1,5 +1,6 @@
-"""State units of a real megatron GPT (the trainer's, one process): names, Adam state, and
-that moving every unit's parameters and optimizer state reproduces the next step exactly."""
+"""State units of a real megatron GPT (the trainer's, one process): names, Adam and SGD
+state, and that moving every unit's parameters and optimizer state reproduces the next
+step exactly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from chameleon_megatron.config import build_config
 from chameleon_megatron.megatron.platform import CpuPlatform
-from chameleon_megatron.resilience.model_state import ModelState, optimizer_slots
+from chameleon_megatron.resilience.model_state import ModelState, _state, optimizer_slots
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import DistEnv
@@ -24,9 +25,9 @@ ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "100"]
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    args = parse_args(ARGS)
+@pytest.fixture(scope="module", params=["adam", "sgd"])
+def trainer(request):
+    args = parse_args([*ARGS, "--optimizer", request.param])
     validate_args(args, 1)
     platform = CpuPlatform()
     platform.apply()
@@ -72,8 +73,13 @@ def test_moving_all_state_reproduces_the_next_step_and_params_alone_do_not(train
     for _ in range(2):
         trainer.train_one()
     view = ModelState(trainer.model, trainer.optimizer, role="sink")
-    exp_avg = view.tensors(0, "optimizer")["mlp.linear_fc1.weight/exp_avg"]
-    assert exp_avg.abs().sum() > 0 and view.tensors(0, "optimizer")["mlp.linear_fc1.weight/step"] == 2
+    state = view.tensors(0, "optimizer")
+    if trainer.args.optimizer == "adam":
+        assert state["mlp.linear_fc1.weight/exp_avg"].abs().sum() > 0
+        assert state["mlp.linear_fc1.weight/step"] == 2
+    else:
+        assert set(state) == {f"{n}/momentum_buffer" for n in view.tensors(0, "params")}
+        assert state["mlp.linear_fc1.weight/momentum_buffer"].abs().sum() > 0
     saved = Snapshot(ModelState(trainer.model, trainer.optimizer, role="source"))
     saved_iteration, saved_consumed = trainer.iteration, trainer.consumed_samples
     saved_sched = trainer.scheduler.state_dict()
@@ -95,3 +101,22 @@ def test_moving_all_state_reproduces_the_next_step_and_params_alone_do_not(train
     without_moments = restore(("params",))
     assert without_moments[0] == reference[0]  # same params: same loss at the redone step
     assert without_moments[1] != pytest.approx(reference[1], rel=1e-6)
+
+
+def test_a_zero_momentum_buffer_gives_sgds_first_step_exactly() -> None:
+    """A sink that receives SGD state before its first step holds a zero buffer; torch
+    would start the buffer from the first gradient instead: the same step, bit for bit."""
+    torch.manual_seed(0)
+    fresh = torch.nn.Parameter(torch.randn(8, 8))
+    filled = torch.nn.Parameter(fresh.detach().clone())
+    steps = [torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+             for p in (fresh, filled)]
+    buffer = _state(steps[1], filled, steps[1].param_groups[0])["momentum_buffer"]
+    assert not buffer.any()
+    for _ in range(3):
+        grad = torch.randn(8, 8)
+        for p, opt in zip((fresh, filled), steps):
+            p.grad = grad.clone()
+            opt.step()
+    assert torch.equal(fresh, filled)
+    assert torch.equal(steps[0].state[fresh]["momentum_buffer"], buffer)

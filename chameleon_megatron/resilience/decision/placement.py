@@ -69,7 +69,6 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
         (plan.tp == 1, f"tp={plan.tp}: plans execute with tensor parallelism 1 only"),
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
         (not args.bf16, "--bf16: plans execute in fp32 only (no main-gradient buffers)"),
-        (args.optimizer == "adam", f"--optimizer {args.optimizer}: plans execute Adam only"),
         (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
         (not args.num_experts, "--num-experts: MoE is not executed by plans"),
         (not args.sequence_parallel, "--sequence-parallel: needs tp > 1"),

@@ -146,13 +146,20 @@ def pipeline_lower_bound(fwd: ArrayLike, bwd: ArrayLike, m: int, hop: float) -> 
     """A lower bound on ``pipeline_time`` (vpp=1); exact for equal stages without hop (and
     with hop when m - 1 is a multiple of the depth). ``fwd``/``bwd`` hold stage times on
     their last axis, so many layer splits can be bounded at once: the largest of the
-    stages' ``stage_bounds``."""
+    stages' ``stage_bounds`` and of every window's ``window_bounds``."""
     f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
     d = f.shape[-1]
     c = f + b
-    before = np.cumsum(c, -1) - c
-    after = c.sum(-1, keepdims=True) - before - c
-    return stage_bounds(f, b, np.arange(d), d, m, hop, before, after).max(-1)
+    cum = np.concatenate([np.zeros_like(c[..., :1]), np.cumsum(c, -1)], -1)
+    before = cum[..., :-1]
+    after = cum[..., -1:] - cum[..., 1:]
+    bound = stage_bounds(f, b, np.arange(d), d, m, hop, before, after).max(-1)
+    for first in range(d):
+        for last in range(first + 1, d):
+            window = cum[..., last + 1] - cum[..., first]
+            bound = np.maximum(bound, window_bounds(before[..., first], c[..., first], window,
+                                                    after[..., last], first, last, d, m, hop))
+    return bound
 
 
 def stage_bounds(f: np.ndarray, b: np.ndarray, stage: np.ndarray, depth: int, m: int,
@@ -167,8 +174,9 @@ def stage_bounds(f: np.ndarray, b: np.ndarray, stage: np.ndarray, depth: int, m:
     microbatch 0 (which arrives after A_s = sum_{s'<s} f + s hop), then the stage's
     remaining work, then draining the last backward through the stages before it
     (Z_s = sum_{s'<s} b + s hop), bounds the step; so does the stage's busy time m(f+b);
-    and so does its first round trip (microbatch 0's forward through the later stages and
-    back) followed by every backward and the forwards it could not run while waiting.
+    so does its first round trip (microbatch 0's forward through the later stages and
+    back) followed by every backward and the forwards it could not run while waiting; and
+    so does ``window_bounds`` of the stage alone.
     """
     w = np.minimum(depth - stage - 1, m)
     q = (m - 1) // (w + 1)
@@ -178,4 +186,31 @@ def stage_bounds(f: np.ndarray, b: np.ndarray, stage: np.ndarray, depth: int, m:
     trip = after + 2 * (depth - 1 - stage) * hop
     chained = (q + 1) * (c + trip) + back * b + fwd_left * f
     first_trip = trip + (m - np.minimum(w, m - 1)) * f + m * b
-    return before + 2 * stage * hop + np.maximum(np.maximum(chained, m * c), first_trip)
+    alone = window_bounds(before, c, c, after, stage, stage, depth, m, hop)
+    return np.maximum(before + 2 * stage * hop + np.maximum(np.maximum(chained, m * c),
+                                                            first_trip), alone)
+
+
+def window_bounds(before: np.ndarray, c: np.ndarray, window: np.ndarray, after: np.ndarray,
+                  first: ArrayLike, last: ArrayLike, depth: int, m: int,
+                  hop: float) -> np.ndarray:
+    """The bound that a window of stages ``first..last`` (k of them) sets (elementwise;
+    -inf where it does not apply): ``c`` is the compute of one microbatch on stage
+    ``first``, ``window`` on the whole window, ``before``/``after`` on the stages before
+    and after it (lower bounds of them keep it a bound).
+
+    After its backward of microbatch j, stage ``first`` (w warm-up forwards) runs the
+    forward of j+w+1, which stage ``last`` runs right before its backward of j+k; that
+    backward returns to stage ``first`` as its backward of j+k: a chain of the window's
+    compute and 2(k-1) hops per k microbatches (k=1: the stage's own forward and backward).
+    The step holds microbatch 0's round trip from stage ``first`` to the last stage and
+    back, the chain from its backward of 0 to that of m-2-w, the last forward's round trip,
+    and the drains into and out of the stages before."""
+    first, last = np.asarray(first), np.asarray(last)
+    w = np.minimum(depth - first - 1, m)
+    steps = m - 2 - w
+    k = last - first + 1
+    q, r = np.divmod(np.maximum(steps, 0), k)
+    trip = window + after + 2 * (depth - 1 - first) * hop
+    bound = before + 2 * first * hop + 2 * trip + q * (window + 2 * (k - 1) * hop) + r * c
+    return np.where(steps >= 0, bound, -np.inf)

@@ -9,9 +9,13 @@ search is best-first on a lower bound of the step instead:
   any stages before and after can hold (which keeps it a bound); so a dynamic program over
   (stage, first layer) gives, for every prefix of a split, the least bound any completion
   reaches;
-* splits come off a heap in order of their bound, each is timed exactly (Eq. 11, its stages
-  with the copies that make them fit, ``swap_model``), and the search stops when the next
-  bound reaches the best time found: that time is the optimum over every split.
+* a window of neighbouring stages adds its own term (``schedule.window_bounds``), known
+  once its stages are placed: prefixes grow a stage at a time, depth first over chunks in
+  order of their bound, and one whose bound reaches the best time found is cut;
+* complete splits are timed exactly (Eq. 11, their stages with the copies that make them
+  fit, ``swap_model``), a chunk at a time. Rounds under a rising threshold make it
+  best-first: once the best time found is within the threshold, it is the optimum over
+  every split.
 
 The step time also depends on a split's largest per-rank gradient bytes (beta, through the
 sync term), so ``SplitSearch.front`` returns the Pareto front of (beta, time): after each
@@ -25,8 +29,6 @@ at ``a + j`` in the same terms.
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -35,8 +37,17 @@ from typing import Callable
 import numpy as np
 
 from chameleon_megatron.resilience.decision.profile import Profile
-from chameleon_megatron.resilience.decision.schedule import Schedule, stage_bounds
+from chameleon_megatron.resilience.decision.schedule import Schedule, stage_bounds, window_bounds
 from chameleon_megatron.resilience.decision.swap_model import swap_times
+
+_CHUNK = 128
+"""Prefixes extended (and splits timed) at once."""
+_FIRST_MARGIN = 1e-3
+"""The first round times the splits within this fraction of the least bound."""
+
+_TIE = 1e-12
+"""Relative difference below which two times are equal: splits that tie the best up to
+rounding (with one microbatch every split takes the same time) are not searched."""
 
 Split = tuple[int, ...]
 """Transformer layers of each stage."""
@@ -89,7 +100,7 @@ class SplitSearch:
         self.depth, self.K, self.hop, self.schedule = d, L - d + 1, hop, schedule
         K = self.K
         W = _longest(cum["run"], K, below / m)
-        if K < 1 or W < 1 or (uniform and L % d):
+        if K < 1 or W * d < L or (uniform and L % d):  # some stage would hold over W
             self.term = np.full((d, 0, 0), math.inf)
             return
         # [i, a, j]: stage i starts at layer i + a and holds j + 1 layers
@@ -123,7 +134,8 @@ class SplitSearch:
             after = c[L] - c[rows + 1 + cols] + (rows < d - 1) * (out.forward_s + out.backward_s)
         term = stage_bounds(f, b, i, d, m, hop, before[:, :, None], after[:, self.next])
         self.term = np.where(ok, term, math.inf)
-        self.f, self.b, self.grad = f, b, per["grad"]
+        self.f, self.b, self.c, self.grad = f, b, f + b, per["grad"]
+        self.m, self.after = m, after
 
     # -- the dynamic programs ------------------------------------------------------------
     def _least_sums(self, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,46 +200,80 @@ class SplitSearch:
 
     def _fastest(self, term: np.ndarray, below: float,
                  deadline: float) -> tuple[float, float, Split] | None:
-        """Exact fastest split among those with a finite term, best-first on the bound;
-        (time, beta, split), the least beta among the fastest; None when none is finite or
-        none takes less than ``below``. Splits are timed in batches (doubling) of those
-        whose bound is below the best so far."""
+        """Exact fastest split among those with a finite term; (time, beta, split), the
+        least beta among the fastest; None when none is finite or none takes less than
+        ``below``. Rounds of ``_search`` under a rising threshold: once the fastest split
+        found is no slower than the threshold, every faster split was timed."""
         least = self._completions(term)
-        if not least[0][0] < below:
-            return None
-        tie = itertools.count()
-        heap: list[tuple[float, int, int, int, float, tuple[int, ...]]] = [
-            (float(least[0][0]), next(tie), 0, 0, 0.0, ())]
+        lb = float(least[0][0])
         best: tuple[float, float, Split] | None = None
-        batch: list[tuple[int, ...]] = []
-        size = 1
-        while heap or batch:
-            bar = min(best[0], below) if best else below
-            if batch and (len(batch) >= size or not heap or heap[0][0] >= bar):
-                best = self._timed(best, batch)
-                batch, size = [], min(2 * size, 256)
-                if time.perf_counter() > deadline:
-                    raise Deadline
-                continue
-            key, _, s, a, prefix, starts = heapq.heappop(heap)
-            if key >= bar:
+        margin = _FIRST_MARGIN
+        while lb < below:
+            theta = min(below, best[0] if best else lb * (1 + margin))
+            best = self._search(term, least, theta, best, deadline)
+            if best is not None and best[0] <= theta or theta >= below:
                 break
-            if s == self.depth:
-                batch.append(starts)
-                continue
-            row = term[s][a]
-            keys = np.maximum(np.maximum(row, least[s + 1][self.next[a]]), prefix)
-            for j in np.flatnonzero(keys < bar):
-                heapq.heappush(heap, (float(keys[j]), next(tie), s + 1, int(self.next[a][j]),
-                                      max(prefix, float(row[j])), (*starts, a)))
+            margin *= 4
         return best if best is not None and best[0] < below else None
 
+    def _search(self, term: np.ndarray, least: np.ndarray, theta: float,
+                best: tuple[float, float, Split] | None,
+                deadline: float) -> tuple[float, float, Split] | None:
+        """``best`` or a faster split: every split whose bound is below ``theta`` and the
+        fastest found is timed. Depth-first over chunks of prefixes, each chunk's children
+        in order of their bounds (memory stays a few chunks per stage)."""
+
+        def bar() -> float:  # a split within rounding of the best is no faster
+            return min(theta, best[0] * (1 - _TIE)) if best is not None else theta
+
+        def visit(p: _Prefixes, s: int) -> None:
+            nonlocal best
+            if time.perf_counter() > deadline:
+                raise Deadline
+            if s == self.depth:
+                best = self._timed(best, p.starts)
+                return
+            rows, key, bound, nxt, c = self._children(p, s, term, least, bar())
+            order = np.argsort(bound, kind="stable")
+            for lo in range(0, len(order), _CHUNK):
+                k = order[lo:lo + _CHUNK]
+                k = k[bound[k] < bar()]
+                if not len(k):
+                    break  # in order of bound: the rest are no faster
+                r = rows[k]
+                visit(_Prefixes(np.concatenate([p.starts[r], p.at[r, None]], axis=1),
+                                np.concatenate([p.comp[r], c[k, None]], axis=1),
+                                key[k], nxt[k]), s + 1)
+
+        visit(_Prefixes(np.zeros((1, 0), dtype=int), np.zeros((1, 0)), np.zeros(1),
+                        np.zeros(1, dtype=int)), 0)
+        return best
+
+    def _children(self, p: "_Prefixes", s: int, term: np.ndarray, least: np.ndarray,
+                  bar: float) -> tuple[np.ndarray, ...]:
+        """The prefixes one stage longer whose bound is below ``bar``: for each, its parent's
+        row in ``p``, the largest term of its stages, the bound of any split completing
+        it, where its next stage starts and its stage s's compute. The terms add every
+        window of the placed stages that ends at stage s (``window_bounds``): what makes
+        neighbouring heavy stages slow."""
+        key = np.maximum(p.key[:, None], term[s][p.at])
+        nxt = self.next[p.at]
+        rows, js = np.nonzero(np.maximum(key, least[s + 1][nxt]) < bar)
+        key, nxt, c = key[rows, js], nxt[rows, js], self.c[s][p.at[rows], js]
+        if s and len(rows):
+            comp = p.comp[rows]
+            tail = np.cumsum(comp[:, ::-1], axis=1)[:, ::-1]  # stages first..s-1
+            win = window_bounds(comp.sum(axis=1)[:, None] - tail, comp, tail + c[:, None],
+                                self.after[s][nxt][:, None], np.arange(s), s, self.depth,
+                                self.m, self.hop)
+            key = np.maximum(key, win.max(axis=1))
+        return rows, key, np.maximum(key, least[s + 1][nxt]), nxt, c
+
     def _timed(self, best: tuple[float, float, Split] | None,
-               batch: list[tuple[int, ...]]) -> tuple[float, float, Split]:
-        """``best`` or the fastest of ``batch`` (then the least gradient); a split is given
-        by its stages' starts: stage i starts at layer ``i + starts[i]``."""
-        starts = np.array(batch)
-        lengths = np.diff(np.concatenate([starts, np.full((len(batch), 1), self.K - 1)],
+               starts: np.ndarray) -> tuple[float, float, Split]:
+        """``best`` or the fastest of the splits ``starts`` (then the least gradient); stage
+        i of a split starts at layer ``i + starts[i]``."""
+        lengths = np.diff(np.concatenate([starts, np.full((len(starts), 1), self.K - 1)],
                                          axis=1), axis=1)  # j of each stage
         idx = (np.arange(self.depth)[None, :], starts, lengths)
         times = self.schedule().times(self.f[idx], self.b[idx], self.hop)
@@ -236,6 +282,20 @@ class SplitSearch:
         if best is not None and (best[0], best[1]) <= (times[k], betas[k]):
             return best
         return float(times[k]), float(betas[k]), tuple((lengths[k] + 1).tolist())
+
+
+@dataclass(frozen=True)
+class _Prefixes:
+    """Placed stages of many partial splits."""
+
+    starts: np.ndarray
+    """(n, s): stage i starts at layer i + starts[:, i]."""
+    comp: np.ndarray
+    """(n, s): compute of one microbatch on each placed stage."""
+    key: np.ndarray
+    """(n,): the largest term of the placed stages."""
+    at: np.ndarray
+    """(n,): where the next stage starts (layer s + at)."""
 
 
 def _longest(run: np.ndarray, K: int, limit: float) -> int:

@@ -4,9 +4,9 @@ megatron's optimizer needs megatron's DDP buffers and computes the clipping norm
 model-parallel group; a plan has neither. This one applies the same update: parameter
 groups as megatron forms them (no weight decay on biases and 1-D parameters, the
 ``wd_mult``/``max_lr``/``min_lr`` keys its LR scheduler reads), clipping by megatron's own
-``clip_grad_by_total_norm_fp32`` with the global norm, then torch's AdamW (megatron's
-optimizer on a host without TransformerEngine or apex; with them megatron takes their fused
-AdamW, the same update up to rounding). ``model_state.ModelState`` reads its state like a
+``clip_grad_by_total_norm_fp32`` with the global norm, then torch's AdamW or SGD with
+momentum (megatron's optimizers on a host without TransformerEngine or apex; with them
+megatron takes their fused AdamW, the same update up to rounding). ``model_state.ModelState`` reads its state like a
 megatron optimizer's (``.optimizer`` is the torch optimizer).
 """
 
@@ -37,9 +37,14 @@ class PlanOptimizer:
 
     def __init__(self, model: torch.nn.Module, args: argparse.Namespace,
                  grad_norm: Callable[[], float]) -> None:
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, args), lr=args.lr, weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        groups = param_groups(model, args)
+        if args.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                groups, lr=args.lr, weight_decay=args.weight_decay, momentum=args.sgd_momentum)
+        else:
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=args.lr, weight_decay=args.weight_decay,
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.clip_grad = args.clip_grad
         self._grad_norm = grad_norm
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]

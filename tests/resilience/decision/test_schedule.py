@@ -87,11 +87,11 @@ def test_longest_path_matches_event_simulation_on_random_pipelines():
 
 def test_lower_bound_is_valid_and_tight_for_equal_stages():
     rng = random.Random(3)
-    for _ in range(300):
-        d, m = rng.randint(1, 7), rng.randint(1, 12)
+    for _ in range(600):
+        d, m = rng.randint(1, 8), rng.randint(1, 40)
         fwd = [rng.uniform(0.2, 2.0) for _ in range(d)]
         bwd = [rng.uniform(0.2, 4.0) for _ in range(d)]
-        hop = rng.choice([0.0, 0.3])
+        hop = rng.choice([0.0, 0.3, 1.0])
         bound = float(pipeline_lower_bound(fwd, bwd, m, hop))
         assert bound <= pipeline_time(fwd, bwd, m, hop) + 1e-9
     for d, m, hop in [(4, 9, 0.0), (6, 20, 0.0), (3, 2, 0.0), (14, 169, 0.01)]:
@@ -115,3 +115,13 @@ def test_the_bound_counts_the_first_round_trip_of_heavy_early_stages():
     fwd, bwd = c / 3, 2 * c / 3
     exact = pipeline_time(list(fwd), list(bwd), 157, 0.0)
     assert exact - float(pipeline_lower_bound(fwd, bwd, 157, 0.0)) < 0.012 * exact
+
+
+def test_the_bound_counts_neighbouring_heavy_stages():
+    """The same stages with a hop a third of a layer's compute: five heavy stages in a row
+    hand each microbatch on at a hop's cost, which the window of them bounds (within 0.1 %;
+    the stages' own terms alone stay 4.8 % under)."""
+    c = np.array([8.0] * 5 + [7.0] * 8)
+    fwd, bwd = c / 3, 2 * c / 3
+    exact = pipeline_time(list(fwd), list(bwd), 157, 0.3)
+    assert exact - float(pipeline_lower_bound(fwd, bwd, 157, 0.3)) < 0.001 * exact

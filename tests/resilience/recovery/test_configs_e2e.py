@@ -5,7 +5,8 @@ against the failure-free run of one process: a --bf16 job and an MoE job.
 layout (the plan runtime executes fp32 dense models only, so rerouting is scored but not
 executed), move weights (bf16: with their fp32 master copies) and Adam moments from the
 surviving replicas, and redo step 3: every step once, every loss within tolerance of the
-reference, and the final state as in the reference.
+reference, and the final state as in the reference. An SGD job (fp32, momentum 0.9) does
+the same through the plan runtime, forced to reroute and forced to re-plan.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, ITERS, assert_losses_match, assert_same_state, combine, faults, launch, run_reference,
-    write_profile,
+    FT, ITERS, assert_every_copy_matches, assert_losses_match, assert_same_state, combine,
+    faults, launch, run_reference, write_profile,
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
@@ -33,30 +34,30 @@ one-process run, this job up to 5 % and 1 % (measured). A state that was not mov
 in the losses of the redone step and in the Adam step count, which must be exact."""
 
 
-def recover(tmp_path: Path, flags: tuple[str, ...], rtol: float) -> tuple[dict, dict, dict]:
+def recover(tmp_path: Path, flags: tuple[str, ...], rtol: float,
+            ft: tuple[str, ...] = (), favour: str = "dp") -> tuple[dict, dict, dict]:
     """The reference with ``flags``, then the 4-rank job with them and one failure; checks
     the losses. Returns (recovery record, reference dump, the job's dumps)."""
     (tmp_path / "reference").mkdir()
     ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=flags)
     job = tmp_path / "job"
     job.mkdir()
-    profile = write_profile(job / "profile.json", favour="dp", tp=1)
+    profile = write_profile(job / "profile.json", favour=favour, tp=1)
     recs, dumps, log = launch(job, 4, [
         *flags, "--pipeline-model-parallel-size", "2", *FT,
         "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
-        *faults("rank=0,iteration=3,phase=backward,kind=exit")], timeout_s=300)
+        *ft, *faults("rank=0,iteration=3,phase=backward,kind=exit")], timeout_s=300)
     assert assert_losses_match(recs, ref_losses, rtol=rtol) == list(range(1, ITERS + 1)), \
         log[-4000:]
     (done,) = [r for r in recs if r["event"] == "recovery"]
     assert (done["failed_ranks"], done["redo_iteration"], done["fallback"]) == ([0], 3, None)
-    assert done["migrated_bytes"] > 0
     return done, ref_dump, dumps
 
 
 def test_an_moe_job_recovers_in_memory(tmp_path: Path) -> None:
     done, ref_dump, dumps = recover(tmp_path, ("--num-experts", "4", "--disable-bias-linear"),
                                     rtol=1e-4)
-    assert done["decision"]["mode"] == "megatron"
+    assert done["decision"]["mode"] == "megatron" and done["migrated_bytes"] > 0
     assert_same_state(combine([ref_dump]), combine(list(dumps.values())))
 
 
@@ -64,6 +65,17 @@ def test_a_bf16_job_recovers_in_memory(tmp_path: Path) -> None:
     done, ref_dump, dumps = recover(tmp_path, ("--bf16",), rtol=BF16_RTOL)
     decision = done["decision"]
     assert decision["executed"] == "replan" and decision["mode"] == "megatron"
+    assert done["migrated_bytes"] > 0
     if decision["choice"] == "reroute":  # scored best, but plans execute fp32 only
         assert "--bf16" in decision["executed_reason"]
     assert_same_state(combine([ref_dump]), combine(list(dumps.values())), rtol=STATE_RTOL)
+
+
+@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+def test_an_sgd_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
+                                                      mode: str) -> None:
+    done, ref_dump, dumps = recover(tmp_path, ("--optimizer", "sgd"), rtol=1e-4,
+                                    ft=("--chameleon-ft-strategy", strategy), favour="pp")
+    assert done["decision"]["executed"] == strategy and done["layout_after"]["mode"] == mode, \
+        done["layout_after"]
+    assert_every_copy_matches(ref_dump, dumps)
