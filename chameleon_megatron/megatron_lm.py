@@ -119,8 +119,6 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
         (not margs.use_distributed_optimizer,
          "--use-distributed-optimizer: its state is sharded over data-parallel ranks that may "
          "be gone"),
-        (margs.optimizer == "adam", f"--optimizer {margs.optimizer}: recovery moves Adam's "
-                                    "state only"),
     ]
     refused = next((why for ok, why in limits if not ok), None)
     if refused is not None:

@@ -9,11 +9,18 @@ model): detection <= 1 s, total <= 5 s.
 
     python scripts/bench_recovery_phases.py                 # 4 and 8 ranks, both moments
     python scripts/bench_recovery_phases.py --nproc 4 --repeat 3
+    python scripts/bench_recovery_phases.py --nproc 8 --moments steady \
+        --strategy reroute replan adaptive --precision fp32 bf16     # by strategy (issue 11)
+
+``--strategy`` forces the decision center's choice (adaptive: its score picks); the row
+says what ran (``layout_after.mode``: rerouting, a heterogeneous plan or a megatron layout;
+a bf16 job runs plans as megatron layouts, the plan runtime being fp32 only).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -29,14 +36,17 @@ MOMENTS = {"start-up": 2, "steady": 12}
 """The failing step: 2 is before any step time is known; by 12 the timeouts are derived."""
 
 
-def one(tmp: Path, nproc: int, at: int, iters: int, timeout_s: float) -> dict[str, float]:
+def one(tmp: Path, nproc: int, at: int, iters: int, timeout_s: float,
+        extra: list[str]) -> tuple[dict[str, float], str]:
+    """(phases of the recovery record, what ran after it)."""
     victim = nproc - 1
     fault = f"rank={victim},iteration={at},phase=backward,kind=exit"
     recs = train(tmp, f"n{nproc}-at{at}", nproc,
                  ["--pipeline-model-parallel-size", "2", "--chameleon-ft",
-                  "--chameleon-inject-fault", fault], iters, ft=True, timeout_s=timeout_s)
+                  "--chameleon-inject-fault", fault, *extra], iters, ft=True,
+                 timeout_s=timeout_s)
     rec = next(r for r in recs if r["event"] == "recovery")
-    return rec["phases_s"]
+    return rec["phases_s"], rec["layout_after"]["mode"]
 
 
 def main() -> int:
@@ -45,23 +55,30 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="jobs per case (medians)")
     parser.add_argument("--iters", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=600.0, help="per job, seconds")
+    parser.add_argument("--moments", nargs="+", choices=list(MOMENTS), default=list(MOMENTS))
+    parser.add_argument("--strategy", nargs="+", default=["adaptive"],
+                        choices=["adaptive", "reroute", "replan"])
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     args = parser.parse_args()
     rows = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for nproc in args.nproc:
-            for moment, at in MOMENTS.items():
-                runs = [one(Path(tempfile.mkdtemp(dir=tmp)), nproc, at, args.iters,
-                            args.timeout) for _ in range(args.repeat)]
-                row = {"ranks": nproc, "failure": f"{moment} (step {at})",
-                       **{p: round(statistics.median(r[p] for r in runs), 3) for p in PHASES}}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    print(f"\n| ranks | failure | {' | '.join(PHASES)} (s) |")
-    print("|---|---|" + "---|" * len(PHASES))
+        for nproc, moment, strategy, precision in itertools.product(
+                args.nproc, args.moments, args.strategy, args.precision):
+            at = MOMENTS[moment]
+            extra = ["--chameleon-ft-strategy", strategy, *(["--bf16"] * (precision == "bf16"))]
+            runs = [one(Path(tempfile.mkdtemp(dir=tmp)), nproc, at, args.iters, args.timeout,
+                        extra) for _ in range(args.repeat)]
+            row = {"ranks": nproc, "failure": f"{moment} (step {at})", "strategy": strategy,
+                   "precision": precision, "ran": "/".join(sorted({m for _, m in runs})),
+                   **{p: round(statistics.median(r[p] for r, _ in runs), 3) for p in PHASES}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n| ranks | failure | strategy | precision | ran | {' | '.join(PHASES)} (s) |")
+    print("|---|---|---|---|---|" + "---|" * len(PHASES))
     for row in rows:
-        print(f"| {row['ranks']} | {row['failure']} | "
-              + " | ".join(f"{row[p]:.2f}" for p in PHASES) + " |")
+        print(f"| {row['ranks']} | {row['failure']} | {row['strategy']} | {row['precision']} | "
+              f"{row['ran']} | " + " | ".join(f"{row[p]:.2f}" for p in PHASES) + " |")
     print(f"\nload average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     return 0
 

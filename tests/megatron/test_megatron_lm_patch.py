@@ -199,7 +199,6 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
     ({"respawns": 1}, {}, "ft.respawns=1: Megatron-LM's pretrain_gpt.py admits no new members"),
     ({"join": True}, {}, "ft.join=True: Megatron-LM's pretrain_gpt.py admits no new members"),
     ({}, {"use_distributed_optimizer": True}, "--chameleon-ft: --use-distributed-optimizer"),
-    ({}, {"optimizer": "sgd"}, "--chameleon-ft: --optimizer sgd"),
     ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),
     ({}, {"num_layers_per_virtual_pipeline_stage": 1}, "interleaved pipelines"),
 ])
