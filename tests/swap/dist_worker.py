@@ -47,13 +47,15 @@ def main(out_dir: str, layouts_json: str) -> None:
 
     from chameleon_megatron.megatron.platform import CpuPlatform
     from chameleon_megatron.megatron import groups
+    from chameleon_megatron.megatron.te_absent import TeAbsentPatch
     from chameleon_megatron.training.env import env_from_torchrun
 
     torch.set_num_threads(1)
     layouts = json.loads(layouts_json)
     env = env_from_torchrun()
-    platform = CpuPlatform()
+    platform, te_absent = CpuPlatform(), TeAbsentPatch()  # as pretrain_gpt.run sets them up
     platform.apply()
+    te_absent.apply()
     results = {}
     try:
         for name, spec in layouts.items():
@@ -61,6 +63,7 @@ def main(out_dir: str, layouts_json: str) -> None:
             results[name] = {"off": train(argv, env), "on": train(argv + spec["swap"], env)}
     finally:
         groups.destroy()
+        te_absent.remove()
         platform.remove()
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(results))
 

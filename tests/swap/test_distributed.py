@@ -1,4 +1,5 @@
-"""Swap through the trainer on 2 gloo processes: bitwise equal to the same run without swap.
+"""Swap through the trainer on 2 gloo processes: bitwise equal to the same run without swap,
+in fp32 and bf16, dense and MoE, Adam and SGD.
 
 One launch trains every layout twice (without, then with swap) in one process group, so the
 start-up cost is paid once; each layout is then checked by its own test.
@@ -28,6 +29,11 @@ LAYOUTS = {
                  "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2": [],
     "dp2_full_recompute": RECOMPUTE,
+    # what GPU users run: bf16 activations go to host and back unchanged; MoE; SGD
+    "tp2_bf16": ["--tensor-model-parallel-size", "2", "--bf16"],
+    "pp2_bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
+    "dp2_moe": ["--num-experts", "4", "--disable-bias-linear"],
+    "dp2_sgd": ["--optimizer", "sgd"],
 }
 # With full recompute the backward re-creates most saved bytes, which cannot be swapped.
 BUDGET = {name: "0.9" if name.endswith("recompute") else "0.5" for name in LAYOUTS}
