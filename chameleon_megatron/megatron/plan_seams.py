@@ -91,7 +91,8 @@ def stage_groups(solo: dist.ProcessGroup, pipeline: Any) -> Any:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection(tp=solo, cp=solo, pp=pipeline, embd=None, pos_embd=None,
-                                  dp_cp=None)
+                                  dp_cp=None, ep=solo, expt_tp=solo, tp_ep=solo,
+                                  tp_cp=solo, tp_dp_cp=solo, expt_dp=None)
 
 
 def stage_layout(counts: Sequence[int], stage: int) -> Any:

@@ -70,7 +70,9 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
         (not args.bf16, "--bf16: plans execute in fp32 only (no main-gradient buffers)"),
         (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
-        (not args.num_experts, "--num-experts: MoE is not executed by plans"),
+        (not (args.num_experts and args.moe_aux_loss_coeff),
+         f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}: plans execute MoE without the "
+         "load-balancing loss (its scale depends on megatron's microbatch counts)"),
         (not args.sequence_parallel, "--sequence-parallel: needs tp > 1"),
         (plan.num_layers == args.num_layers,
          f"plan has {plan.num_layers} layers, the model {args.num_layers}"),

@@ -59,14 +59,17 @@ def test_stage_major_order_puts_each_pipeline_in_ascending_world_ranks() -> None
 
 def _args(**over) -> argparse.Namespace:
     base = dict(bf16=False, optimizer="adam", use_distributed_optimizer=False,
-                num_experts=None, sequence_parallel=False, num_layers=4)
+                num_experts=None, moe_aux_loss_coeff=0.0, sequence_parallel=False,
+                num_layers=4)
     return argparse.Namespace(**{**base, **over})
 
 
 def test_the_runtime_refuses_what_it_does_not_execute() -> None:
     check_plan_runtime(_args(), HETERO)
     check_plan_runtime(_args(optimizer="sgd"), HETERO)
+    check_plan_runtime(_args(num_experts=4), HETERO)
     for over, message in [({"bf16": True}, "--bf16"),
+                          ({"num_experts": 4, "moe_aux_loss_coeff": 0.01}, "load-balancing"),
                           ({"num_layers": 8}, "plan has 4 layers, the model 8")]:
         with pytest.raises(ValueError, match=message):
             check_plan_runtime(_args(**over), HETERO)

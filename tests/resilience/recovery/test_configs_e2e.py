@@ -1,12 +1,14 @@
 """In-memory recovery of the configurations users run, under chameleon-run (CPU, gloo),
-against the failure-free run of one process: a --bf16 job and an MoE job.
+against the failure-free run of one process: --bf16, MoE and SGD jobs.
 
-4 ranks, DP2 x PP2, rank 0 dies in backward at step 3. The survivors re-plan onto a uniform
-layout (the plan runtime executes fp32 dense models only, so rerouting is scored but not
-executed), move weights (bf16: with their fp32 master copies) and Adam moments from the
-surviving replicas, and redo step 3: every step once, every loss within tolerance of the
-reference, and the final state as in the reference. An SGD job (fp32, momentum 0.9) does
-the same through the plan runtime, forced to reroute and forced to re-plan.
+4 ranks, DP2 x PP2, rank 0 dies in backward at step 3. The survivors re-plan, move weights
+(bf16: with their fp32 master copies) and optimizer state from the surviving replicas, and
+redo step 3: every step once, every loss within tolerance of the reference, and the final
+state as in the reference. A bf16 job re-plans onto a uniform megatron layout (the plan
+runtime executes fp32 only, so rerouting is scored but not executed); an MoE job does so
+under the profile that favours data parallelism, and runs through the plan runtime when
+forced to reroute or to re-plan under the one that favours depth; so does an SGD job
+(momentum 0.9).
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ def test_an_sgd_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: 
                                                       mode: str) -> None:
     done, ref_dump, dumps = recover(tmp_path, ("--optimizer", "sgd"), rtol=1e-4,
                                     ft=("--chameleon-ft-strategy", strategy), favour="pp")
+    assert done["decision"]["executed"] == strategy and done["layout_after"]["mode"] == mode, \
+        done["layout_after"]
+    assert_every_copy_matches(ref_dump, dumps)
+
+
+@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+def test_an_moe_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
+                                                      mode: str) -> None:
+    done, ref_dump, dumps = recover(tmp_path, ("--num-experts", "4", "--disable-bias-linear"),
+                                    rtol=1e-4, ft=("--chameleon-ft-strategy", strategy),
+                                    favour="pp")
     assert done["decision"]["executed"] == strategy and done["layout_after"]["mode"] == mode, \
         done["layout_after"]
     assert_every_copy_matches(ref_dump, dumps)
