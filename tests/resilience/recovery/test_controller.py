@@ -298,7 +298,8 @@ def test_a_rerouting_job_asks_again_whether_to_re_plan(tmp_path, prior_s, replan
     controller.reroute = plan_reroute(DP2_PP2, [3], REROUTE_WINS)
     controller.members = (0, 1, 2)
     args = tiny_args(micro_batch_size=1, bf16=False, optimizer="adam",
-                     use_distributed_optimizer=False, num_experts=None, sequence_parallel=False)
+                     use_distributed_optimizer=False, num_experts=None, moe_aux_loss_coeff=0.0,
+                     sequence_parallel=False)
     trainer = SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"))
     assert controller._replan_now_wins(trainer) is replan
 
