@@ -10,7 +10,9 @@ communicators over groups built per plan, never through ``parallel_state``'s glo
 * the single-microbatch ``forward_step``/``backward_step`` of megatron's schedules
   (``forward_one``/``backward_one``), looked up at call time so that the swap seams wrap them
   here too;
-* the fp32 clipping of megatron's optimizer (``clip_grads``);
+* megatron's DDP (main-gradient buffers: fp32 for bf16 parameters) and optimizer over
+  groups of this rank alone (``stage_ddp_groups``), stepped by the plan with its global
+  gradient norm (``step_with_norm``);
 * seeding of the tensor-parallel RNG tracker, and the scratch buffer attention needs.
 
 ``check_plan_seams`` checks each signature these calls rely on (parameter names), so a
@@ -20,7 +22,7 @@ megatron-core release that changes one is refused before a recovery tries to use
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +63,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "tensor_parallel.model_parallel_cuda_manual_seed": ("tp_rank", "ep_rank", "etp_rank"),
     "optimizer.clip_grads.clip_grad_by_total_norm_fp32": ("parameters", "max_norm",
                                                           "total_norm"),
+    "distributed.DistributedDataParallel": ("pg_collection",),
+    "optimizer.get_megatron_optimizer": ("pg_collection", "use_gloo_process_groups"),
 }
 """megatron-core callables (below ``megatron.core``) and the parameters the plan runtime
 passes them by name."""
@@ -200,8 +204,31 @@ def backward_one(input_tensor: torch.Tensor | None, output: torch.Tensor,
                                    config)
 
 
-def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
-    """Scale gradients as megatron's fp32 optimizer clips them, given the global norm."""
+def stage_ddp_groups(solo: dist.ProcessGroup, pipeline: Any) -> Any:
+    """The groups megatron's DDP and optimizer read for a plan's stage: every data- and
+    model-parallel group is this rank alone. A plan reduces each layer's gradients among
+    exactly its holders (``grad_sync``) and computes the global norm itself, so DDP only keeps
+    the main-gradient buffers and the optimizer only updates."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(tp=solo, pp=pipeline, ep=solo, dp=solo, dp_cp=solo,
+                                  expt_dp=solo, mp=solo, tp_ep_pp=solo)
+
+
+def step_with_norm(optimizer: Any, max_norm: float,
+                   norm: Callable[[], float]) -> tuple[bool, float | None]:
+    """megatron's optimizer step (main gradients taken from the DDP buffers, clipping, update)
+    with the plan's global gradient norm instead of one over its model-parallel group:
+    (applied, norm; None without clipping)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    clip_grad_by_total_norm_fp32(list(params), max_norm, total_norm)
+    if optimizer.prepare_grads():  # found inf/nan (fp16 loss scaling only)
+        return False, None
+    total = None
+    if max_norm > 0:
+        total = norm()
+        for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+            clip_grad_by_total_norm_fp32(leaf.get_parameters(), max_norm, total)
+    return optimizer.step_with_ready_grads(), total
+
+

@@ -26,7 +26,8 @@ _MIGRATED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _OUTPUT_WEIGHT = "output_layer.weight"
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside megatron's wrappers (DDP, ``Float16Module``)."""
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
@@ -52,7 +53,7 @@ def unit_parameters(model: list[torch.nn.Module]) -> dict[StateUnit, dict[str, t
     """unit -> name -> parameter, over this rank's model chunks."""
     units: dict[StateUnit, dict[str, torch.nn.Parameter]] = {}
     for chunk in model:
-        gpt = _unwrap(chunk)
+        gpt = unwrap(chunk)
         for name, param in gpt.named_parameters():
             unit, local = _unit_of(gpt, name)
             units.setdefault(unit, {})[local] = param
@@ -62,7 +63,7 @@ def unit_parameters(model: list[torch.nn.Module]) -> dict[StateUnit, dict[str, t
 def _tied_embedding(model: list[torch.nn.Module]) -> torch.nn.Parameter | None:
     """The embedding weight that also serves as output weight on this rank, if any."""
     for chunk in model:
-        gpt = _unwrap(chunk)
+        gpt = unwrap(chunk)
         if (getattr(gpt, "share_embeddings_and_output_weights", False)
                 and gpt.pre_process and gpt.post_process):
             return gpt.embedding.word_embeddings.weight

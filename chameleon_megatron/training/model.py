@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,22 +138,26 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
     return chunks
 
 
-def wrap_ddp(args: argparse.Namespace, config: TransformerConfig,
-             chunks: list[GPTModel]) -> list[DistributedDataParallel]:
+def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks: list[GPTModel], *,
+             pg_collection: Any = None) -> list[DistributedDataParallel]:
     """Megatron's wrappers, as Megatron-LM's ``get_model`` stacks them: with --bf16 each
     chunk is cast whole to bf16 (norms included) and runs in ``Float16Module`` (bf16 inputs,
-    fp32 outputs on the last stage), then DDP (fp32 main grads for bf16 parameters)."""
+    fp32 outputs on the last stage), then DDP (fp32 main grads for bf16 parameters).
+
+    ``pg_collection``: a plan's stage (``plan_seams.stage_ddp_groups``), whose gradients the
+    plan reduces itself: DDP keeps the main-gradient buffers, reduces nothing, shards nothing."""
     if config.bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
+    own_groups = pg_collection is None
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce and own_groups,
+        use_distributed_optimizer=args.use_distributed_optimizer and own_groups,
         check_for_nan_in_grad=False,
     )
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                 # Only the first chunk buckets, as in Megatron-LM.
-                                disable_bucketing=i > 0)
+                                disable_bucketing=i > 0, pg_collection=pg_collection)
         for i, chunk in enumerate(chunks)
     ]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
-def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]):
+def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], *,
+                    pg_collection: Any = None):
+    """megatron's optimizer over ``model`` (DDP chunks). ``pg_collection``: a plan's stage
+    (``plan_seams.stage_ddp_groups``): the plan clips with its global norm
+    (``plan_seams.step_with_norm``), so this optimizer's own clipping is off."""
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -21,10 +26,11 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module]):
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer and pg_collection is None,
+        clip_grad=args.clip_grad if pg_collection is None else 0.0,
     )
-    return get_megatron_optimizer(config, model)
+    return get_megatron_optimizer(config, model, pg_collection=pg_collection,
+                                  use_gloo_process_groups=pg_collection is None)
 
 
 def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:

@@ -158,7 +158,7 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
             rec["grad_norm"].append(result.grad_norm)
             rec["rounds"].append(list(rt.sync.performed))
             if it == 0:
-                rec["grads"] = unit_tensors([rt.model], lambda p: p.grad)
+                rec["grads"] = unit_tensors([rt.model], lambda p: p.main_grad)
         rec["params"] = unit_tensors([rt.model], lambda p: p)
         rec["adam"] = adam_state([rt.model], rt.optimizer)
         (out / sc.name).mkdir(exist_ok=True)

@@ -68,7 +68,6 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
     limits = [
         (plan.tp == 1, f"tp={plan.tp}: plans execute with tensor parallelism 1 only"),
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
-        (not args.bf16, "--bf16: plans execute in fp32 only (no main-gradient buffers)"),
         (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
         (not (args.num_experts and args.moe_aux_loss_coeff),
          f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}: plans execute MoE without the "

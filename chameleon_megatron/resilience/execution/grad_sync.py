@@ -96,6 +96,8 @@ def reduction_device() -> torch.device:
 
 class GradSync:
     """One rank's part of the sync; callable as megatron's ``finalize_model_grads_func``.
+    It works on the main gradients of megatron's DDP buffers (``param.main_grad``: fp32,
+    accumulated over the microbatches), as megatron's own ``finalize_model_grads`` does.
 
     ``rounds``: per round, this rank's group and its handle, or None; ``tied``: the handle
     of the tied-embedding group, if this rank holds a copy. Global reductions use the
@@ -131,8 +133,7 @@ class GradSync:
             self._all_reduce([self._tied], self._tied_group)
         scale = 1.0 / tokens.item()
         for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+            p.main_grad.mul_(scale)
         logger.debug({"event": "grad_sync", "rank": self.me, "tokens": tokens.item(),
                       "rounds": self.performed, "tied": self._tied_group is not None})
 
@@ -142,10 +143,7 @@ class GradSync:
                 for _, p in sorted(self._units.get(u, {}).items()) if p is not self._tied]
 
     def _all_reduce(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-        for p in params:
-            if p.grad is None:  # a holder that saw no microbatch still takes part
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+        grads = [p.main_grad for p in params]  # zeros on a holder that saw no microbatch
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=group)
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -160,7 +158,6 @@ class GradSync:
                 params = self._params_of([u])
                 if u == EMBEDDING and self._tied is not None and self.model.pre_process:
                     params.append(self._tied)
-                squares[k] = sum(float(p.grad.double().square().sum()) for p in params
-                                 if p.grad is not None)
+                squares[k] = sum(float(p.main_grad.double().square().sum()) for p in params)
         dist.all_reduce(squares)
         return math.sqrt(float(squares.sum()))

@@ -23,6 +23,7 @@ from chameleon_megatron.resilience.execution.runtime import (
     PlanRuntime,
     apply_update,
     step_result,
+    zero_grads,
 )
 from chameleon_megatron.resilience.execution.runtime import forward_step as plan_forward_step
 from chameleon_megatron.training.step import Applied, StepResult, share_loss
@@ -43,7 +44,7 @@ def run_reroute_step(rt: PlanRuntime, batches: Batches) -> StepResult:
 def reroute_train(rt: PlanRuntime, batches: Batches) -> Applied:
     """Forward, backward, gradient sync and optimizer step (see the module docstring)."""
     ops = rerouted_ops(rt)
-    rt.optimizer.zero_grad()
+    zero_grads(rt)
     runner = _Runner(rt, batches)
     for op in ops:
         if op.kind == "F":
@@ -51,7 +52,7 @@ def reroute_train(rt: PlanRuntime, batches: Batches) -> Applied:
         else:
             runner.backward(op)
     runner.drain()
-    rt.sync([rt.model], torch.tensor(runner.tokens))
+    rt.sync([rt.gpt], torch.tensor(runner.tokens))
     return apply_update(rt, runner.reports)
 
 
@@ -80,7 +81,7 @@ class _Runner:
         args = rt.args
         self.shape = (args.seq_length, args.micro_batch_size, self.config.hidden_size)
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.last = rt.model.post_process
+        self.last = rt.gpt.post_process
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.reports: list[dict] = []

@@ -1,8 +1,8 @@
 """Training a plan whose pipelines have different depths, layer splits and microbatch shares.
 
-``build_runtime`` gives each rank its stage (``stage_model``), its groups
-(``plan_groups``), the per-layer gradient sync (``grad_sync``) and the optimizer
-(``optimizer``). ``run_hetero_step`` runs megatron-core's 1F1B schedule in each pipeline
+``build_runtime`` gives each rank its stage in megatron's DDP with megatron's optimizer
+(``stage_model``), its groups (``plan_groups``) and the per-layer gradient sync
+(``grad_sync``). ``run_hetero_step`` runs megatron-core's 1F1B schedule in each pipeline
 over the pipeline's own group, with the sync as the schedule's ``finalize_model_grads_func``,
 then the optimizer step. The global batch is the failure-free one: global microbatch g holds
 samples ``consumed + g * micro ...``, each pipeline runs its share of them
@@ -34,9 +34,9 @@ from chameleon_megatron.resilience.decision.placement import (
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.decision.restorer import AllReduceGroup
 from chameleon_megatron.resilience.execution.grad_sync import GradSync, sync_spec
-from chameleon_megatron.resilience.execution.optimizer import PlanOptimizer
 from chameleon_megatron.resilience.execution.plan_groups import PlanGroups, build_plan_groups
 from chameleon_megatron.resilience.execution.stage_model import build_stage_model, seed_stage
+from chameleon_megatron.resilience.model_state import unwrap
 from chameleon_megatron.training import data
 from chameleon_megatron.training.step import Applied, StepResult, loss_func, share_loss
 
@@ -76,12 +76,19 @@ class PlanRuntime:
     reroute: ReroutePlan | None
     """The rerouting this runtime executes (None: the plan's pipelines run whole)."""
     model: torch.nn.Module
-    """This rank's stage (megatron-core's ``GPTModel``)."""
-    optimizer: PlanOptimizer
+    """This rank's stage: megatron-core's ``GPTModel`` in megatron's DDP (and, with bf16,
+    ``Float16Module``)."""
+    optimizer: Any
+    """megatron's optimizer over ``model``, stepped with the plan's norm (``apply_update``)."""
     sync: GradSync
     groups: PlanGroups
     p2p: Any
     """megatron's communicator over this rank's pipeline (None: depth 1 or rerouting)."""
+
+    @property
+    def gpt(self) -> torch.nn.Module:
+        """The ``GPTModel`` inside the wrappers."""
+        return unwrap(self.model)
 
     @property
     def slot(self) -> Slot:
@@ -113,9 +120,8 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     seed_stage(args.seed, slot_of(plan, me))
     groups = build_plan_groups(plan, me, spec, world=world, pipelines=reroute is None,
                                timeout_s=timeout_s)
-    model = build_stage_model(args, plan, groups.slot, groups.solo)
-    sync = GradSync(model, spec, me, groups.rounds, groups.tied)
-    optimizer = PlanOptimizer(model, args, sync.grad_norm)
+    model, optimizer = build_stage_model(args, plan, groups.slot, groups.solo)
+    sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied)
     model.config.finalize_model_grads_func = sync
     model.config.grad_scale_func = None
     depth = plan.pipelines[groups.slot.pipeline].depth
@@ -135,7 +141,7 @@ def hetero_train(rt: PlanRuntime, batches: Batches) -> Applied:
     per layer, the optimizer steps. The LR scheduler is the caller's (as in the trainer)."""
     if rt.reroute is not None:
         raise ValueError("this runtime reroutes: train it with rerouted.reroute_train")
-    rt.optimizer.zero_grad()
+    zero_grads(rt)
     return apply_update(rt, _pipeline_schedule(rt, batches, forward_only=False))
 
 
@@ -161,9 +167,16 @@ def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool)
     )
 
 
+def zero_grads(rt: PlanRuntime) -> None:
+    """Clear the main-gradient buffers before a step, as the trainer does."""
+    rt.model.zero_grad_buffer()
+    rt.optimizer.zero_grad()
+
+
 def apply_update(rt: PlanRuntime, reports: list[dict]) -> Applied:
-    """The optimizer step (gradients already synced)."""
-    applied, norm, _ = rt.optimizer.step()
+    """The optimizer step (gradients already synced), clipped by the plan's global norm."""
+    applied, norm = plan_seams.step_with_norm(rt.optimizer, rt.args.clip_grad,
+                                              rt.sync.grad_norm)
     return Applied(reports=reports, grad_norm=norm, skipped=not applied)
 
 

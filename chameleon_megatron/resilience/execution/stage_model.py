@@ -1,11 +1,13 @@
 """The model of one stage of a plan whose layout megatron's parallel state cannot express:
 pipelines of different depths (a re-plan) or a kept layout with dead ranks (rerouting).
 
-A stage is a plain ``GPTModel`` (no megatron DDP: its gradient sync is per layer, see
-``grad_sync``) built from the trainer's arguments with its pipeline's depth and layer split
-(any contiguous split, as a ``pipeline_model_parallel_layout``), so its layers carry their
-global numbers and its state units match every other holder's. Nothing here reads
-megatron's parallel state.
+A stage is megatron-core's ``GPTModel`` built from the trainer's arguments with its
+pipeline's depth and layer split (any contiguous split, as a
+``pipeline_model_parallel_layout``), so its layers carry their global numbers and its state
+units match every other holder's. It is wrapped as the trainer wraps its chunks (bf16:
+``Float16Module``; megatron's DDP with fp32 main gradients), over groups of this rank alone:
+the gradient sync is per layer (``grad_sync``). Nothing here reads megatron's parallel
+state.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from chameleon_megatron.training.model import (
     available_kernels,
     layer_spec,
     transformer_config,
+    wrap_ddp,
 )
+from chameleon_megatron.training.optim import build_optimizer
 
 
 def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
@@ -43,17 +47,21 @@ def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
 
 
 def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
-                      solo: dist.ProcessGroup) -> torch.nn.Module:
-    """The stage ``slot`` of ``plan``; ``solo`` is a group of this rank alone (its TP and CP
-    group at tp = 1). Weights are megatron's random init: load the real ones afterwards."""
+                      solo: dist.ProcessGroup) -> tuple[torch.nn.Module, Any]:
+    """The stage ``slot`` of ``plan`` in its DDP wrapper, and megatron's optimizer over it;
+    ``solo`` is a group of this rank alone (its TP and CP group at tp = 1). Weights are
+    megatron's random init: load the real ones afterwards."""
     pipe = plan.pipelines[slot.pipeline]
     kernels = available_kernels()
     config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
-    return plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
-                                pre_process=slot.stage == 0,
-                                post_process=slot.stage == pipe.depth - 1,
-                                groups=plan_seams.stage_groups(solo, position))
+    gpt = plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
+                               pre_process=slot.stage == 0,
+                               post_process=slot.stage == pipe.depth - 1,
+                               groups=plan_seams.stage_groups(solo, position))
+    ddp_groups = plan_seams.stage_ddp_groups(solo, position)
+    (model,) = wrap_ddp(args, config, [gpt], pg_collection=ddp_groups)
+    return model, build_optimizer(args, [model], pg_collection=ddp_groups)
 
 
 def seed_stage(seed: int, slot: Slot) -> None:

@@ -4,10 +4,9 @@ against the failure-free run of one process: --bf16, MoE and SGD jobs.
 4 ranks, DP2 x PP2, rank 0 dies in backward at step 3. The survivors re-plan, move weights
 (bf16: with their fp32 master copies) and optimizer state from the surviving replicas, and
 redo step 3: every step once, every loss within tolerance of the reference, and the final
-state as in the reference. A bf16 job re-plans onto a uniform megatron layout (the plan
-runtime executes fp32 only, so rerouting is scored but not executed); an MoE job does so
-under the profile that favours data parallelism, and runs through the plan runtime when
-forced to reroute or to re-plan under the one that favours depth; so does an SGD job
+state as in the reference. A bf16 job and an MoE job recover as the decision center
+chooses under the profile that favours data parallelism, and run through the plan runtime
+when forced to reroute or to re-plan under the one that favours depth; so does an SGD job
 (momentum 0.9).
 """
 
@@ -66,11 +65,21 @@ def test_an_moe_job_recovers_in_memory(tmp_path: Path) -> None:
 def test_a_bf16_job_recovers_in_memory(tmp_path: Path) -> None:
     done, ref_dump, dumps = recover(tmp_path, ("--bf16",), rtol=BF16_RTOL)
     decision = done["decision"]
-    assert decision["executed"] == "replan" and decision["mode"] == "megatron"
-    assert done["migrated_bytes"] > 0
-    if decision["choice"] == "reroute":  # scored best, but plans execute fp32 only
-        assert "--bf16" in decision["executed_reason"]
+    assert decision["executed"] == decision["choice"] and done["migrated_bytes"] > 0
     assert_same_state(combine([ref_dump]), combine(list(dumps.values())), rtol=STATE_RTOL)
+
+
+@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+def test_a_bf16_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
+                                                      mode: str) -> None:
+    """The plan's stages train as the trainer's do: bf16 parameters in ``Float16Module``,
+    fp32 main gradients in megatron's DDP buffers, megatron's optimizer with fp32 main
+    parameters (moved with the weights)."""
+    done, ref_dump, dumps = recover(tmp_path, ("--bf16",), rtol=BF16_RTOL,
+                                    ft=("--chameleon-ft-strategy", strategy), favour="pp")
+    assert done["decision"]["executed"] == strategy and done["layout_after"]["mode"] == mode, \
+        done["layout_after"]
+    assert_every_copy_matches(ref_dump, dumps, rtol=STATE_RTOL)
 
 
 @pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
