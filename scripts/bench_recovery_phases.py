@@ -11,10 +11,12 @@ model): detection <= 1 s, total <= 5 s.
     python scripts/bench_recovery_phases.py --nproc 4 --repeat 3
     python scripts/bench_recovery_phases.py --nproc 8 --moments steady \
         --strategy reroute replan adaptive --precision fp32 bf16     # by strategy (issue 11)
+    python scripts/bench_recovery_phases.py --nproc 8 --moments steady --optimizer distributed
 
 ``--strategy`` forces the decision center's choice (adaptive: its score picks); the row
 says what ran (``layout_after.mode``: rerouting, a heterogeneous plan or a megatron layout;
-a bf16 job runs plans as megatron layouts, the plan runtime being fp32 only).
+the plan runtime refuses the distributed optimizer, so its jobs re-plan onto megatron
+layouts, their state rebuilt from the shard copies, refreshed every step here).
 """
 
 from __future__ import annotations
@@ -59,26 +61,34 @@ def main() -> int:
     parser.add_argument("--strategy", nargs="+", default=["adaptive"],
                         choices=["adaptive", "reroute", "replan"])
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    parser.add_argument("--optimizer", nargs="+", default=["replicated"],
+                        choices=["replicated", "distributed"])
     args = parser.parse_args()
     rows = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for nproc, moment, strategy, precision in itertools.product(
-                args.nproc, args.moments, args.strategy, args.precision):
+        for nproc, moment, strategy, precision, optimizer in itertools.product(
+                args.nproc, args.moments, args.strategy, args.precision, args.optimizer):
             at = MOMENTS[moment]
             extra = ["--chameleon-ft-strategy", strategy, *(["--bf16"] * (precision == "bf16"))]
+            if optimizer == "distributed":
+                extra += ["--use-distributed-optimizer",
+                          "--chameleon-ft-shard-replica-interval", "1"]
             runs = [one(Path(tempfile.mkdtemp(dir=tmp)), nproc, at, args.iters, args.timeout,
                         extra) for _ in range(args.repeat)]
             row = {"ranks": nproc, "failure": f"{moment} (step {at})", "strategy": strategy,
-                   "precision": precision, "ran": "/".join(sorted({m for _, m in runs})),
+                   "precision": precision, "optimizer": optimizer,
+                   "ran": "/".join(sorted({m for _, m in runs})),
                    **{p: round(statistics.median(r[p] for r, _ in runs), 3) for p in PHASES}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| ranks | failure | strategy | precision | ran | {' | '.join(PHASES)} (s) |")
-    print("|---|---|---|---|---|" + "---|" * len(PHASES))
+    print(f"\n| ranks | failure | strategy | precision | optimizer | ran | "
+          f"{' | '.join(PHASES)} (s) |")
+    print("|---|---|---|---|---|---|" + "---|" * len(PHASES))
     for row in rows:
         print(f"| {row['ranks']} | {row['failure']} | {row['strategy']} | {row['precision']} | "
-              f"{row['ran']} | " + " | ".join(f"{row[p]:.2f}" for p in PHASES) + " |")
+              f"{row['optimizer']} | {row['ran']} | "
+              + " | ".join(f"{row[p]:.2f}" for p in PHASES) + " |")
     print(f"\nload average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     return 0
 

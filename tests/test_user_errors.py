@@ -120,6 +120,8 @@ def _one_error_line(out: str, prog: str) -> str:
     (["--mock-data", "--chameleon-ft"], "--chameleon-ft: needs the chameleon-run launcher"),
     (["--mock-data", "--chameleon-ft-join"], "ft.join=True: joins a fault-tolerant job: give "
                                              "--chameleon-ft too"),
+    (["--mock-data", "--chameleon-ft-shard-replica-interval", "0"],
+     "ft.shard_replica_interval=0: must be >= 1"),
     (["--mock-data", "--chameleon-inject-fault", "rank=1,iteration=1,phase=forward,kind=exit"], "give --chameleon-ft too"),
 ])
 def test_trainer_refuses_before_building_the_model(argv, expected):

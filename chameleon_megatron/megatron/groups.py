@@ -71,6 +71,12 @@ def build_uniform(tp: int, pp: int, *, timeout_s: float, vpp: int | None = None)
     )
 
 
+def data_parallel_gloo() -> dist.ProcessGroup:
+    """This rank's data-parallel group (with context parallelism) of megatron's parallel
+    state, over gloo: host-memory copies travel there whatever the device backend."""
+    return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+
+
 def destroy() -> None:
     """Tear down megatron's parallel state and the default group (safe with a dead peer).
     Megatron's state is reset even when its groups are not all set (a layout megatron cannot

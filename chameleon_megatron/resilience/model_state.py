@@ -60,7 +60,7 @@ def unit_parameters(model: list[torch.nn.Module]) -> dict[StateUnit, dict[str, t
     return units
 
 
-def _tied_embedding(model: list[torch.nn.Module]) -> torch.nn.Parameter | None:
+def tied_embedding(model: list[torch.nn.Module]) -> torch.nn.Parameter | None:
     """The embedding weight that also serves as output weight on this rank, if any."""
     for chunk in model:
         gpt = unwrap(chunk)
@@ -70,25 +70,33 @@ def _tied_embedding(model: list[torch.nn.Module]) -> torch.nn.Parameter | None:
     return None
 
 
-def _megatron_leaves(optimizer: Any) -> Iterator[Any]:
+def megatron_leaves(optimizer: Any) -> Iterator[Any]:
+    """The optimizers inside megatron's ``ChainedOptimizer`` (or ``optimizer`` itself)."""
     if hasattr(optimizer, "chained_optimizers"):
         for inner in optimizer.chained_optimizers:
-            yield from _megatron_leaves(inner)
+            yield from megatron_leaves(inner)
     else:
         yield optimizer
 
 
+def check_migratable(optimizer: Any) -> None:
+    """ValueError unless the restorer can move this optimizer's state (torch's Adam, AdamW
+    or SGD inside megatron's optimizers)."""
+    for leaf in megatron_leaves(optimizer):
+        if not isinstance(leaf.optimizer, _MIGRATED):
+            raise ValueError(f"in-memory optimizer migration supports Adam, AdamW and SGD, "
+                             f"not {type(leaf.optimizer).__name__}")
+
+
 def optimizer_slots(optimizer: Any) -> dict[int, tuple[torch.optim.Optimizer, torch.Tensor, dict]]:
     """id(model parameter) -> (torch optimizer, the tensor it updates, its param group)."""
+    check_migratable(optimizer)
     slots: dict[int, tuple[torch.optim.Optimizer, torch.Tensor, dict]] = {}
-    for leaf in _megatron_leaves(optimizer):
+    for leaf in megatron_leaves(optimizer):
         if type(leaf).__name__ == "DistributedOptimizer":
-            raise ValueError("in-memory recovery needs --use-distributed-optimizer off "
-                             "(its state is sharded over data-parallel ranks that may be gone)")
+            raise ValueError("a distributed optimizer's state is sharded: read it by pieces "
+                             "(resilience.dist_opt)")
         inner = leaf.optimizer
-        if not isinstance(inner, _MIGRATED):
-            raise ValueError(f"in-memory optimizer migration supports Adam, AdamW and SGD, "
-                             f"not {type(inner).__name__}")
         main_of = {}
         if hasattr(leaf, "float16_groups"):  # mixed precision: fp32 main copies
             for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
@@ -100,24 +108,29 @@ def optimizer_slots(optimizer: Any) -> dict[int, tuple[torch.optim.Optimizer, to
     return slots
 
 
-def _state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
-    """The optimizer state of ``main``, created before its first step: Adam's zero moments
-    and step as torch creates them; SGD's momentum buffer as zeros (torch starts it from
-    the first gradient, which a zero buffer gives exactly: 0 * momentum + gradient)."""
-    state = inner.state[main]
+def new_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
+    """The state torch's optimizer would start ``main`` with before its first step: Adam's
+    zero moments and step; SGD's momentum buffer as zeros (torch starts it from the first
+    gradient, which a zero buffer gives exactly: 0 * momentum + gradient)."""
+    zeros = torch.zeros_like(main, memory_format=torch.preserve_format)
     if isinstance(inner, torch.optim.SGD):
-        if group["momentum"] and state.get("momentum_buffer") is None:
-            state["momentum_buffer"] = torch.zeros_like(main,
-                                                        memory_format=torch.preserve_format)
-        return state
-    if not state:
-        on_device = group.get("capturable") or group.get("fused")
-        state["step"] = torch.zeros((), dtype=torch.float32,
-                                    device=main.device if on_device else "cpu")
-        state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-        if group.get("amsgrad"):
-            state["max_exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        return {"momentum_buffer": zeros} if group["momentum"] else {}
+    on_device = group.get("capturable") or group.get("fused")
+    state = {"step": torch.zeros((), dtype=torch.float32,
+                                 device=main.device if on_device else "cpu"),
+             "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(zeros)
+    return state
+
+
+def optimizer_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
+    """The optimizer state of ``main``, created (``new_state``) before its first step."""
+    state = inner.state[main]
+    if not state or any(value is None for value in state.values()):
+        for key, value in new_state(inner, main, group).items():
+            if state.get(key) is None:
+                state[key] = value
     return state
 
 
@@ -128,12 +141,15 @@ class ModelState:
                  role: Literal["source", "sink"]) -> None:
         self._units = unit_parameters(model)
         self._slots = optimizer_slots(optimizer)
-        tied = _tied_embedding(model)
+        tied = tied_embedding(model)
         if role == "source" and tied is not None:
             self._units.setdefault(OUTPUT, {})[_OUTPUT_WEIGHT] = tied
 
     def units(self) -> tuple[StateUnit, ...]:
         return tuple(self._units)
+
+    def commit(self) -> None:
+        """Nothing to do: a sink is written in place (``dist_opt.ShardSink`` stages)."""
 
     def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
         params = self._units.get(unit, {})
@@ -145,6 +161,6 @@ class ModelState:
                 if main is not param:
                     out[f"{name}/main"] = main.detach()
             else:
-                for key, value in _state(inner, main, group).items():
+                for key, value in optimizer_state(inner, main, group).items():
                     out[f"{name}/{key}"] = value
         return out

@@ -25,9 +25,13 @@ from typing import Any
 
 
 def state_sums(ctx: Any) -> dict:
+    from chameleon_megatron.resilience.dist_opt import is_distributed
     from chameleon_megatron.resilience.model_state import ModelState, unit_parameters
 
     model = ctx.model
+    if is_distributed(ctx.extra["optimizer"]):
+        return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "pieces": True,
+                "sums": shard_sums(model, ctx.extra["optimizer"])}
     view = ModelState(model, ctx.extra["optimizer"], role="sink")
     sums: dict[str, dict] = {}
     for unit, params in unit_parameters(model).items():
@@ -43,6 +47,27 @@ def state_sums(ctx: Any) -> dict:
                 "step": None if step is None else float(step),
             }
     return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
+
+
+def shard_sums(model: list, optimizer: Any) -> dict:
+    """The sums of ``state_sums`` with a distributed optimizer: whole weights, and the
+    optimizer state of the pieces this rank owns (the pieces of a data-parallel group add
+    up to the whole)."""
+    from chameleon_megatron.resilience.dist_opt import owned
+    from chameleon_megatron.resilience.model_state import unit_parameters
+
+    sums: dict[str, dict] = {
+        f"{unit}|{name}": {"sharded": bool(getattr(p, "tensor_model_parallel", False)),
+                           "param": float(p.detach().double().pow(2).sum()), "step": None}
+        for unit, params in unit_parameters(model).items() for name, p in params.items()}
+    for own in owned(model, optimizer):
+        entry = sums[f"{own.piece.unit}|{own.piece.name}"]
+        for key, t in own.state.items():
+            if key == "step":
+                entry["step"] = float(t)
+            else:
+                entry[key] = float(t.double().pow(2).sum())
+    return sums
 
 
 def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None,

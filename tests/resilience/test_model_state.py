@@ -9,7 +9,7 @@ import torch
 
 from chameleon_megatron.config import build_config
 from chameleon_megatron.megatron.platform import CpuPlatform
-from chameleon_megatron.resilience.model_state import ModelState, _state, optimizer_slots
+from chameleon_megatron.resilience.model_state import ModelState, optimizer_slots, optimizer_state
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import DistEnv
@@ -120,7 +120,7 @@ def test_a_zero_momentum_buffer_gives_sgds_first_step_exactly() -> None:
     filled = torch.nn.Parameter(fresh.detach().clone())
     steps = [torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
              for p in (fresh, filled)]
-    buffer = _state(steps[1], filled, steps[1].param_groups[0])["momentum_buffer"]
+    buffer = optimizer_state(steps[1], filled, steps[1].param_groups[0])["momentum_buffer"]
     assert not buffer.any()
     for _ in range(3):
         grad = torch.randn(8, 8)

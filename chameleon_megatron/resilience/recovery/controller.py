@@ -48,11 +48,12 @@ from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
 from chameleon_megatron.resilience.decision.placement import plan_refusal
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
+from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
 from chameleon_megatron.resilience.execution.runtime import build_runtime
 from chameleon_megatron.resilience.model_state import ModelState
-from chameleon_megatron.resilience.recovery import run_state
+from chameleon_megatron.resilience.recovery import run_state, shard_assembly
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
@@ -73,6 +74,7 @@ from chameleon_megatron.resilience.recovery.regroup import (
     wait_as_spare,
 )
 from chameleon_megatron.resilience.recovery.run_state import Agreed, RunState
+from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.recovery.transfer import migrate
 from chameleon_megatron.resilience.store.announce import (
     AbandonRecord,
@@ -117,12 +119,20 @@ class Held:
     keep: tuple = ()
 
     @classmethod
-    def of(cls, trainer: TrainerHandle, rng: dict[str, Any]) -> Held:
-        run = RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-                       scheduler=trainer.scheduler_state(), rng=rng,
-                       after_step=trainer.after_step)
-        model, optimizer = trainer.model_and_optimizer()
-        return cls(run, ModelState(model, optimizer, role="source"), (model, optimizer))
+    def of(cls, trainer: TrainerHandle, rng: dict[str, Any],
+           shards: ShardReplicas | None = None) -> Held:
+        """The trainer's state now; with a distributed optimizer, the run state of its last
+        shard copies (the units are assembled from the copies in the recovery)."""
+        if shards is not None:
+            if shards.run is None:
+                return cls.nothing()
+            run = shards.run
+            if run.iteration == trainer.iteration:  # the work after it is redone as usual
+                run = dataclasses.replace(run, after_step=trainer.after_step)
+            return cls(run, _NoState())
+        return cls(run_state_of(trainer, rng), ModelState(*trainer.model_and_optimizer(),
+                                                          role="source"),
+                   trainer.model_and_optimizer())
 
     @classmethod
     def nothing(cls) -> Held:
@@ -134,14 +144,17 @@ class RecoveryController:
 
     def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
                  ft: ResilienceConfig, me: int, plan: Plan | None, backend: str,
-                 swap_bandwidth_Bps: float = 0.0, plans_refused: str | None = None) -> None:
+                 swap_bandwidth_Bps: float = 0.0, plans_refused: str | None = None,
+                 shards: ShardReplicas | None = None) -> None:
         """``plan``: the layout launched, over launch ranks (None: this process joins a
         running job and learns the layout when admitted). ``swap_bandwidth_Bps``: the job
         swaps activations (``--chameleon-swap``) at this bandwidth, so a layout whose stages
         are over device memory may swap to fit (0: it does not swap). ``plans_refused``: why
         the trainer cannot run the plan runtime (then every recovery re-plans to a megatron
-        layout); None: it can."""
+        layout); None: it can. ``shards``: the job uses the distributed optimizer, whose
+        state is recovered from these copies (``refresh_shards``)."""
         self.job = job
+        self.shards = shards
         self.detector = detector
         self.injector = injector
         self.ft = ft
@@ -179,6 +192,10 @@ class RecoveryController:
         self._window_s = 0.0
         """The current recovery attempt's window for each wait."""
         self._attempt_failures = 0
+        self._completed = 0
+        """Steps this rank had completed when the recovery in progress began."""
+        self._state_from: dict[str, Any] | None = None
+        """Where the recovery in progress takes the state from (for its record)."""
         """Failures announced when the current attempt's membership was agreed."""
 
     def watch(self) -> RecoveryController:
@@ -196,6 +213,14 @@ class RecoveryController:
         if self._step_start is not None and self._step_start[0] == applied + 1:
             return self._step_start[1]
         return rng_state()
+
+    def refresh_shards(self, trainer: TrainerHandle,
+                       active: Sequence[int] | None = None) -> None:
+        """Copy the distributed optimizer's shards to host memory and to each one's
+        data-parallel successor (collective over every data-parallel group)."""
+        model, optimizer = trainer.model_and_optimizer()
+        self.shards.refresh(model, optimizer, run_state_of(trainer, rng_state()), me=self.me,
+                            world_to_job=tuple(active if active is not None else self.active))
 
     def _keepalive(self) -> None:
         """Beat before a wait that cannot: it may last a whole recovery window (a rank
@@ -257,7 +282,8 @@ class RecoveryController:
         self._keepalive()
         groups.destroy()
         self.interrupt()  # the connections the old model still holds, too
-        held = Held.of(trainer, self.rng_for_redo(trainer.iteration))
+        self._completed = trainer.iteration
+        held = Held.of(trainer, self.rng_for_redo(trainer.iteration), self.shards)
         self._cause, self._invited = cause, ()
         return self._serve(trainer, held, abandoned, timeouts)
 
@@ -307,7 +333,10 @@ class RecoveryController:
         cause = "join" if invited else "replan"
         logger.info({"event": "transition", "cause": cause, "invited": list(invited),
                      "iteration": trainer.iteration})
-        held = Held.of(trainer, rng_state())
+        self._completed = trainer.iteration
+        if self.shards is not None and self.shards.run.iteration != trainer.iteration:
+            self.refresh_shards(trainer)  # everyone is here: no step is rolled back
+        held = Held.of(trainer, rng_state(), self.shards)
         self._invite(invited)
         self._cause = cause
         action = self._serve(trainer, held, time.time(), self.detector.timeouts)
@@ -348,7 +377,10 @@ class RecoveryController:
         return self._serve(trainer, Held.nothing(), time.time(), timeouts)
 
     def metrics(self) -> dict[str, Any]:
-        return {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
+        out = {"generation": self.generation, "estimated_step_s": self.estimated_step_s}
+        if self.shards is not None:
+            out.update(self.shards.metrics())
+        return out
 
     def close(self, *, finished: bool) -> None:
         # Tearing down can take a group timeout (gloo joins threads still blocked on a dead
@@ -449,10 +481,19 @@ class RecoveryController:
                  membership: Membership, clock: PhaseClock) -> bool:
         scope = self.job.scoped(f"gen/{membership.generation}")
         run_state.publish(scope, self.me, held.run)
-        wait_keys(scope, run_state.keys(membership.members), timeout_s=timeouts.rendezvous_s,
+        wanted = run_state.keys(membership.members)
+        if self.shards is not None:
+            shard_assembly.publish(scope, self.me, self.shards)
+            wanted += shard_assembly.keys(membership.members)
+        wait_keys(scope, wanted, timeout_s=timeouts.rendezvous_s,
                   abandoned=self._abandoned, on_wait=self._keepalive)
         states = run_state.read_all(scope, membership.members)
         agreed = _agree(states)
+        if self.shards is not None:
+            shards = shard_assembly.read(scope, membership.members)
+            agreed = _without(agreed, shard_assembly.unassemblable(shards, agreed.iteration))
+            self._state_from = shard_assembly.sources(shards, agreed.iteration,
+                                                      self._completed)
         decision = self._decision(trainer, scope, membership, agreed, timeouts)
         clock.mark("decide")
         self._barrier(scope, "members", membership.members, timeouts.rendezvous_s)
@@ -472,15 +513,22 @@ class RecoveryController:
             if active:
                 self._load_checkpoint(trainer)
         else:
-            sink = (ModelState(*trainer.model_and_optimizer(), role="sink") if active
-                    else _NoState())
+            old = held.view
+            if self.shards is not None:
+                old = shard_assembly.assemble(group, membership.members, self.me, shards,
+                                              self.shards, agreed.iteration)
+            sink = sink_view(*trainer.model_and_optimizer()) if active else _NoState()
             report = migrate(group, membership.members, self.me, decision.transfers,
-                             old=held.view, new=sink, timeout_s=timeouts.rendezvous_s,
+                             old=old, new=sink, timeout_s=timeouts.rendezvous_s,
                              store=self.job.scoped(f"gen/{membership.generation}/migrate"),
                              abandoned=self._abandoned)
+            if active:
+                sink.commit()
             moved = _group_sum(group, report.sent_bytes)
             if active:
                 _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
+        if active and self.shards is not None:  # copies of the new layout's shards
+            self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
         self._finish(trainer, membership, decision, clock, moved, active)
         return active
@@ -592,7 +640,9 @@ class RecoveryController:
             redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
             fallback=decision.fallback,
             cause="failure" if failures and self._cause not in ("join", "replan") else self._cause,
-            joined=set(self._invited) & set(membership.members))
+            joined=set(self._invited) & set(membership.members),
+            state_from={"source": "checkpoint"} if decision.fallback
+            else self._state_from or {"source": "replicas"})
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
@@ -635,6 +685,18 @@ def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunStat
                       scheduler_state=agreed.scheduler, after_step=agreed.after_step)
     if donor is not None:
         set_rng_state(states[donor].rng)
+
+
+def _without(agreed: Agreed, unusable: Sequence[int]) -> Agreed:
+    """``agreed`` with ``unusable`` members' state treated as stale (not a source)."""
+    bad = set(unusable)
+    return dataclasses.replace(agreed, fresh=tuple(r for r in agreed.fresh if r not in bad),
+                               stale=tuple(sorted(set(agreed.stale) | bad)))
+
+
+def run_state_of(trainer: TrainerHandle, rng: dict[str, Any]) -> RunState:
+    return RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
+                    scheduler=trainer.scheduler_state(), rng=rng, after_step=trainer.after_step)
 
 
 def _group_sum(group: Any, value: int) -> int:

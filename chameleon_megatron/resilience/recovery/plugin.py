@@ -30,7 +30,8 @@ from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import uniform_plan
 from chameleon_megatron.resilience.decision.layout import UniformLayout
 from chameleon_megatron.resilience.decision.profile import load_profile
-from chameleon_megatron.resilience.model_state import ModelState
+from chameleon_megatron.resilience.dist_opt import is_distributed
+from chameleon_megatron.resilience.model_state import ModelState, check_migratable, unit_parameters
 from chameleon_megatron.resilience.recovery.controller import RecoveryController
 from chameleon_megatron.resilience.recovery.detector import (
     FailureDetector,
@@ -39,6 +40,7 @@ from chameleon_megatron.resilience.recovery.detector import (
 from chameleon_megatron.resilience.recovery.fault_hooks import install_fault_hooks
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import check_profile
+from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.store.env import RELAUNCH_ENV
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import join_id_from_env
@@ -62,7 +64,12 @@ def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
     if args.rampup_batch_size is not None:
         raise ConfigError("--chameleon-ft: --rampup-batch-size is not supported (the "
                           "decision center plans for one global batch size)")
-    ModelState(ctx.model, ctx.extra["optimizer"], role="source")  # refuses the optimizer
+    optimizer = ctx.extra["optimizer"]
+    if is_distributed(optimizer):  # recovered from its shard copies
+        check_migratable(optimizer)
+        unit_parameters(ctx.model)
+    else:
+        ModelState(ctx.model, optimizer, role="source")  # refuses the optimizer
     if ft.profile:
         check_profile(load_profile(ft.profile), args)
 
@@ -106,11 +113,13 @@ class ResiliencePlugin(TrainerPlugin):
         detector = FailureDetector(job, me, self.ft)
         detector.beat()
         groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default
+        shards = (ShardReplicas(self.ft.shard_replica_interval)
+                  if self._args.use_distributed_optimizer else None)
         return RecoveryController(
             job=job, detector=detector,
             injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
             plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps,
-            plans_refused=self.plans_refused).watch()
+            plans_refused=self.plans_refused, shards=shards).watch()
 
     def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:
         relaunch = os.environ.get(RELAUNCH_ENV)
@@ -123,6 +132,8 @@ class ResiliencePlugin(TrainerPlugin):
             trainer.emit(record)
         me = join_id_from_env()
         if me is None:
+            if self.controller.shards is not None:  # copies of the starting state
+                self.controller.refresh_shards(trainer)
             return None
         self._args = trainer.args
         backend = "nccl" if trainer.device.type == "cuda" else "gloo"
@@ -186,6 +197,9 @@ class ResiliencePlugin(TrainerPlugin):
 
     def between_steps(self, trainer: TrainerHandle) -> StepAction | None:
         assert self.controller is not None, "on_model_built was not called"
+        shards = self.controller.shards
+        if shards is not None and shards.due(trainer.iteration):
+            self.controller.refresh_shards(trainer)
         return self.controller.between_steps(trainer)
 
     def metrics(self) -> dict[str, Any]:

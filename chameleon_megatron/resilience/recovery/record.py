@@ -41,10 +41,13 @@ def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
                     decision: dict[str, Any], phases: dict[str, float],
                     layout_after: dict[str, Any], spares: Iterable[int], redo_iteration: int,
                     migrated_bytes: int, fallback: str | None = None, cause: str = "failure",
-                    joined: Iterable[int] = ()) -> dict[str, Any]:
+                    joined: Iterable[int] = (),
+                    state_from: dict[str, Any] | None = None) -> dict[str, Any]:
     """``cause``: "failure"; a change between steps without one: "join" (new members
     admitted: ``joined``) or "replan" (leaving rerouting for a re-planned layout); or why a
-    live rank abandoned a step that every rank then redid ("oom")."""
+    live rank abandoned a step that every rank then redid ("oom"). ``state_from``: where the
+    state came from ("replicas": surviving copies of each unit; "shard copies": the
+    distributed optimizer's host copies and their step; "checkpoint")."""
     failures = sorted(failures, key=lambda f: f.rank)
     return {
         "event": "recovery",
@@ -61,6 +64,7 @@ def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
         "migrated_bytes": migrated_bytes,
         "fallback": fallback,
         "joined": sorted(joined),
+        "state_from": state_from or {"source": "replicas"},
     }
 
 

@@ -1,0 +1,135 @@
+"""The distributed optimizer's state by the pieces of parameters each rank owns.
+
+megatron's ``DistributedOptimizer`` shards the fp32 main parameters and the optimizer state
+over the data-parallel ranks: a rank owns one contiguous range of the flattened elements of
+some parameters (``_get_model_param_range_map``); the model parameters stay whole on every
+rank (gathered after each step). ``owned`` lists this rank's pieces; ``ShardSink`` is a new
+distributed optimizer as the restorer's executor sees it: whole tensors to receive (units
+move whole), of which ``commit`` keeps this rank's ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chameleon_megatron.resilience.decision.layout import StateUnit
+from chameleon_megatron.resilience.decision.restorer import StateKind
+from chameleon_megatron.resilience.model_state import (
+    ModelState,
+    megatron_leaves,
+    new_state,
+    optimizer_state,
+    unit_parameters,
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, end)`` of one flattened parameter (by unit and name)."""
+
+    unit: StateUnit
+    name: str
+    start: int
+    end: int
+    shape: tuple[int, ...]
+    """The whole parameter's."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Owned:
+    piece: Piece
+    param: torch.nn.Parameter
+    """The whole model parameter."""
+    main: torch.Tensor
+    """Its fp32 main piece (a view into ``param`` for fp32 models)."""
+    state: dict
+    """The optimizer state of ``main`` (created if the optimizer has not stepped yet)."""
+
+
+def is_distributed(optimizer: Any) -> bool:
+    return any(type(leaf).__name__ == "DistributedOptimizer"
+               for leaf in megatron_leaves(optimizer))
+
+
+def state_keys(optimizer: Any) -> tuple[str, ...]:
+    """The optimizer-state keys of every main parameter (``model_state.optimizer_state``)."""
+    inner = next(megatron_leaves(optimizer)).optimizer
+    return tuple(sorted(new_state(inner, torch.zeros(1), inner.param_groups[0])))
+
+
+def owned(model: list[torch.nn.Module], optimizer: Any) -> list[Owned]:
+    """This rank's pieces, in one order for a given layout."""
+    out = []
+    for leaf in megatron_leaves(optimizer):
+        index = leaf.model_param_group_index_map
+        for unit, params in unit_parameters(model).items():
+            for name, param in sorted(params.items()):
+                if param not in index:
+                    continue
+                group_index, order = index[param]
+                group = leaf.optimizer.param_groups[group_index]
+                main = group["params"][order]
+                span = leaf._get_model_param_range_map(param)["param"]
+                piece = Piece(unit, name, span.start, span.end, tuple(param.shape))
+                out.append(Owned(piece, param, main,
+                                 optimizer_state(leaf.optimizer, main, group)))
+    return out
+
+
+class ShardSink:
+    """A new model with a distributed optimizer, as a ``StateView`` to fill: the model
+    parameters themselves, whole staging tensors for their main copies (bf16) and optimizer
+    state; ``commit`` copies this rank's pieces of them into the optimizer."""
+
+    def __init__(self, model: list[torch.nn.Module], optimizer: Any) -> None:
+        self._units = unit_parameters(model)
+        self._owned = owned(model, optimizer)
+        self._keys = state_keys(optimizer)
+        self._staged: dict[tuple[StateUnit, str], torch.Tensor] = {}
+
+    def _stage(self, unit: StateUnit, name: str, like: torch.Tensor,
+               scalar: bool = False) -> torch.Tensor:
+        shape = () if scalar else like.shape
+        return self._staged.setdefault((unit, name), torch.zeros(shape, dtype=torch.float32,
+                                                                 device=like.device))
+
+    def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self._units.get(unit, {}).items():
+            if kind == "params":
+                out[name] = param.detach()
+                if param.dtype != torch.float32:
+                    out[f"{name}/main"] = self._stage(unit, f"{name}/main", param)
+            else:
+                for key in self._keys:
+                    out[f"{name}/{key}"] = self._stage(unit, f"{name}/{key}", param,
+                                                       scalar=key == "step")
+        return out
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Keep this rank's pieces of what was received (every tensor must have been)."""
+        for own in self._owned:
+            p = own.piece
+            main = self._staged.get((p.unit, f"{p.name}/main"))
+            if main is not None:
+                own.main.copy_(main.view(-1)[p.start:p.end])
+            for key in self._keys:
+                staged = self._staged[(p.unit, f"{p.name}/{key}")]
+                value = staged if key == "step" else staged.view(-1)[p.start:p.end]
+                own.state[key].copy_(value)
+        self._staged.clear()
+
+
+def sink_view(model: list[torch.nn.Module], optimizer: Any) -> ModelState | ShardSink:
+    """The new model and optimizer as the restorer's executor fills them (then ``commit``)."""
+    if is_distributed(optimizer):
+        return ShardSink(model, optimizer)
+    return ModelState(model, optimizer, role="sink")
