@@ -116,9 +116,6 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
          "interleaved pipelines (virtual stages) are not recovered yet"),
         (margs.rampup_batch_size is None,
          "--rampup-batch-size: the decision center plans for one global batch size"),
-        (not margs.use_distributed_optimizer,
-         "--use-distributed-optimizer: its state is sharded over data-parallel ranks that may "
-         "be gone"),
     ]
     refused = next((why for ok, why in limits if not ok), None)
     if refused is not None:

@@ -299,8 +299,8 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     (["--chameleon-ft-respawns", "1"], "unrecognized arguments: --chameleon-ft-respawns"),
     (["--chameleon-swap-budget-fraction", "2"], "swap.budget_fraction=2.0"),
     (["--chameleon-ft"], "--chameleon-ft: needs the chameleon-run launcher"),
-    (["--chameleon-ft", "--use-distributed-optimizer", "AGENT"],
-     "--chameleon-ft: --use-distributed-optimizer"),
+    (["--chameleon-ft", "--chameleon-ft-shard-replica-interval", "0", "AGENT"],
+     "ft.shard_replica_interval=0: must be >= 1"),
     (["PRESET", "AGENT"], "ft.respawns=2: Megatron-LM's pretrain_gpt.py admits no new members"),
 ])
 def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
