@@ -146,3 +146,30 @@ def test_a_re_plan_over_device_memory_swaps_to_fit_and_computes_the_same(tmp_pat
     assert rec2["decision"]["swap"] == []
     loss = {r["iteration"]: r["loss"] for r in tight if r["event"] == "iteration"}
     assert loss == {r["iteration"]: r["loss"] for r in roomy if r["event"] == "iteration"}
+
+
+HALF = ["--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024",
+        "--chameleon-swap-budget-fraction", "0.5"]
+
+
+@pytest.mark.parametrize("flags, mode", [(("--bf16",), "hetero"),
+                                         (("--bf16", "--use-distributed-optimizer"), "megatron")])
+def test_swap_changes_no_number_of_a_recovered_bf16_job(tmp_path, flags, mode):
+    """A bf16 job re-planned onto a heterogeneous pipeline (the plan runtime), and one with
+    the distributed optimizer (plans refuse it: a megatron layout, its state rebuilt from the
+    shard copies and the steps since them redone): with every stage swapping half its saved
+    activations, every loss is bitwise the one of the same job without swap, before and
+    after the recovery, and the stages swap after it."""
+    runs = {}
+    for name, swap in (("plain", []), ("swap", HALF)):
+        (tmp_path / name).mkdir()
+        recs, rec = _replan(tmp_path / name, 1e12, [*flags, *swap])
+        assert rec["layout_after"]["mode"] == mode, rec["layout_after"]
+        runs[name] = recs
+
+    def losses(recs: list) -> list:
+        return [(r["iteration"], r["loss"]) for r in recs if r["event"] == "iteration"]
+    assert losses(runs["swap"]) == losses(runs["plain"]) and len(losses(runs["swap"])) >= ITERS
+    after = [r["swap"] for r in runs["swap"] if r["event"] == "iteration"
+             and r["iteration"] > rec["redo_iteration"]]
+    assert after and all(s["swapped_out_bytes"] > 0 for s in after), after
