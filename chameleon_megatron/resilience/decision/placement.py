@@ -69,9 +69,6 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
         (plan.tp == 1, f"tp={plan.tp}: plans execute with tensor parallelism 1 only"),
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
         (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
-        (not (args.num_experts and args.moe_aux_loss_coeff),
-         f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}: plans execute MoE without the "
-         "load-balancing loss (its scale depends on megatron's microbatch counts)"),
         (not args.sequence_parallel, "--sequence-parallel: needs tp > 1"),
         (plan.num_layers == args.num_layers,
          f"plan has {plan.num_layers} layers, the model {args.num_layers}"),

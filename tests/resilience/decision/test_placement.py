@@ -69,8 +69,8 @@ def test_the_runtime_refuses_what_it_does_not_execute() -> None:
     check_plan_runtime(_args(optimizer="sgd"), HETERO)
     check_plan_runtime(_args(num_experts=4), HETERO)
     check_plan_runtime(_args(bf16=True), HETERO)
+    check_plan_runtime(_args(num_experts=4, moe_aux_loss_coeff=0.01), HETERO)
     for over, message in [({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
-                          ({"num_experts": 4, "moe_aux_loss_coeff": 0.01}, "load-balancing"),
                           ({"num_layers": 8}, "plan has 4 layers, the model 8")]:
         with pytest.raises(ValueError, match=message):
             check_plan_runtime(_args(**over), HETERO)
