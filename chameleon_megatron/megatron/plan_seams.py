@@ -88,15 +88,17 @@ def check_plan_seams() -> None:
                 "it (see docs/heterogeneous.md)")
 
 
-def stage_groups(solo: dist.ProcessGroup, pipeline: Any) -> Any:
-    """The model's process groups for a stage at tp = 1: this rank alone is its TP and CP
-    group; ``pipeline`` is the pipeline group or a ``PipelinePosition``. The copy of the tied
-    embedding is loaded with the state, not all-reduced in (no embedding groups)."""
+def stage_groups(solo: dist.ProcessGroup, tp: dist.ProcessGroup, pipeline: Any) -> Any:
+    """The model's process groups for a stage: ``tp`` is its TP group (this rank alone at
+    tp = 1), also its TP x CP group (no context parallelism), and this rank alone is its CP
+    group and, MoE running at tp = 1, every expert group; ``pipeline`` is the pipeline group
+    or a ``PipelinePosition``. The copy of the tied embedding is loaded with the state, not
+    all-reduced in (no embedding groups)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return ProcessGroupCollection(tp=solo, cp=solo, pp=pipeline, embd=None, pos_embd=None,
-                                  dp_cp=None, ep=solo, expt_tp=solo, tp_ep=solo,
-                                  tp_cp=solo, tp_dp_cp=solo, expt_dp=None)
+    return ProcessGroupCollection(tp=tp, cp=solo, pp=pipeline, embd=None, pos_embd=None,
+                                  dp_cp=None, ep=solo, expt_tp=solo, tp_ep=tp,
+                                  tp_cp=tp, tp_dp_cp=tp, expt_dp=None)
 
 
 def stage_layout(counts: Sequence[int], stage: int) -> Any:
@@ -139,6 +141,7 @@ def stage_gpt(config: Any, layer_spec: Any, *, args: Any, pre_process: bool,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         pg_collection=groups,
+        parallel_output=False,  # whole logits: the plan's loss is computed on them
     )
     return model.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
@@ -204,14 +207,14 @@ def backward_one(input_tensor: torch.Tensor | None, output: torch.Tensor,
                                    config)
 
 
-def stage_ddp_groups(solo: dist.ProcessGroup, pipeline: Any) -> Any:
-    """The groups megatron's DDP and optimizer read for a plan's stage: every data- and
-    model-parallel group is this rank alone. A plan reduces each layer's gradients among
-    exactly its holders (``grad_sync``) and computes the global norm itself, so DDP only keeps
-    the main-gradient buffers and the optimizer only updates."""
+def stage_ddp_groups(solo: dist.ProcessGroup, tp: dist.ProcessGroup, pipeline: Any) -> Any:
+    """The groups megatron's DDP and optimizer read for a plan's stage: its TP group, and
+    this rank alone as every data-parallel and model-parallel group. A plan reduces each
+    layer's gradients among exactly its holders (``grad_sync``) and computes the global norm
+    itself, so DDP only keeps the main-gradient buffers and the optimizer only updates."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return ProcessGroupCollection(tp=solo, pp=pipeline, ep=solo, dp=solo, dp_cp=solo,
+    return ProcessGroupCollection(tp=tp, pp=pipeline, ep=solo, dp=solo, dp_cp=solo,
                                   expt_dp=solo, mp=solo, tp_ep_pp=solo)
 
 

@@ -210,7 +210,7 @@ class Trainer:
         if self.engine is not None:
             return TrainContext(model=self.model, config=self.engine.model.config,
                                 args=self.args, device=self.device, rank=self.env.rank,
-                                tp_rank=0, vpp_size=1, extra=extra,
+                                vpp_size=1, extra=extra,
                                 pipeline_group=self.engine.pipeline_group(),
                                 **self.engine.position())
         return TrainContext(

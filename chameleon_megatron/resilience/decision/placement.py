@@ -66,14 +66,24 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
     """Why the plan runtime cannot train this model on ``plan``'s tensor/virtual-pipeline
     sizes (the first reason), or None when it can."""
     limits = [
-        (plan.tp == 1, f"tp={plan.tp}: plans execute with tensor parallelism 1 only"),
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
+        (plan.tp == 1 or not args.num_experts,
+         f"--num-experts with tp={plan.tp}: plans execute MoE with tensor parallelism 1 only"),
         (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
-        (not args.sequence_parallel, "--sequence-parallel: needs tp > 1"),
+        (not args.sequence_parallel, "--sequence-parallel: plans do not reduce the "
+         "sequence-parallel layer-norm gradients"),
         (plan.num_layers == args.num_layers,
          f"plan has {plan.num_layers} layers, the model {args.num_layers}"),
     ]
     return next((message for ok, message in limits if not ok), None)
+
+
+def reroute_refusal(plan: Plan) -> str | None:
+    """Why the plan runtime cannot reroute around dead ranks of ``plan`` (beyond
+    ``plan_refusal``), or None when it can."""
+    if plan.tp > 1:
+        return f"tp={plan.tp}: rerouting runs with tensor parallelism 1 only"
+    return None
 
 
 def check_plan_runtime(args: argparse.Namespace, plan: Plan) -> None:

@@ -50,7 +50,7 @@ class PlanEngine:
     def position(self) -> dict[str, int]:
         slot = self.rt.slot
         return {"pp_rank": slot.stage, "pp_size": self.rt.plan.pipelines[slot.pipeline].depth,
-                "dp_rank": slot.pipeline}
+                "dp_rank": slot.pipeline, "tp_rank": slot.tp_index}
 
     def pipeline_group(self) -> Any:
         return self.rt.groups.pipeline if self.rt.reroute is None else None

@@ -34,14 +34,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SyncSpec:
-    """Which live ranks all-reduce what, in which round (plan rank ids, tp = 1)."""
+    """Which live ranks all-reduce what, in which round (plan rank ids). At tp > 1 every
+    unit is a shard per TP index, synced among the holders of that index."""
 
     rounds: tuple[tuple[AllReduceGroup, ...], ...]
     """The restorer's rounds with dead ranks removed; groups left with one rank dropped."""
     tied: tuple[tuple[int, ...], ...]
-    """Live ranks holding a copy of the tied embedding (first and last stages), if >= 2."""
-    owners: Mapping[StateUnit, int]
-    """The live rank whose copy of each unit counts in the gradient norm."""
+    """Per TP index, the live ranks holding a copy of the tied embedding (first and last
+    stages), if >= 2."""
+    owners: Mapping[tuple[StateUnit, int], int]
+    """The live rank whose copy of each (unit, TP index) counts in the gradient norm."""
 
 
 def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Sequence[int]], *,
@@ -50,13 +52,15 @@ def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Seq
 
     Raises ValueError if a rank is in two groups of one round, or if the live holders of some
     unit are not exactly the members of one group (their copies would drift apart)."""
-    holders: dict[StateUnit, set[int]] = {}
-    for rank, (_, units) in plan.holdings().items():
+    holders: dict[tuple[StateUnit, int], set[int]] = {}
+    index_of: dict[int, int] = {}
+    for rank, (i, units) in plan.holdings().items():
+        index_of[rank] = i
         if rank not in dead:
             for u in units:
-                holders.setdefault(u, set()).add(rank)
+                holders.setdefault((u, i), set()).add(rank)
     live_rounds = []
-    covered: dict[StateUnit, int] = {}
+    covered: dict[tuple[StateUnit, int], int] = {}
     for k, rnd in enumerate(rounds):
         seen: set[int] = set()
         kept = []
@@ -68,22 +72,24 @@ def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Seq
             seen |= set(g.ranks)
             members = tuple(r for r in g.ranks if r not in dead)
             for u in g.layers:
-                if set(members) != holders.get(u, set()):
+                key = (u, index_of[g.ranks[0]])
+                if set(members) != holders.get(key, set()):
                     raise ValueError(f"group {index}: unit {u!r} is held by live ranks "
-                                     f"{sorted(holders.get(u, ()))}, the group has {members}")
-                covered[u] = covered.get(u, 0) + 1
+                                     f"{sorted(holders.get(key, ()))}, the group has {members}")
+                covered[key] = covered.get(key, 0) + 1
             if len(members) > 1:
                 kept.append(AllReduceGroup(ranks=members, layers=g.layers, bytes=g.bytes))
         live_rounds.append(tuple(kept))
-    for u, ranks in holders.items():
-        if len(ranks) > 1 and covered.get(u) != 1:
+    for (u, _), ranks in holders.items():
+        if len(ranks) > 1 and covered.get((u, _)) != 1:
             raise ValueError(f"unit {u!r} is held by live ranks {sorted(ranks)} but is in "
-                             f"{covered.get(u, 0)} all-reduce groups, not one")
-    copies = sorted(holders.get(EMBEDDING, set()) | holders.get(OUTPUT, set()))
+                             f"{covered.get((u, _), 0)} all-reduce groups, not one")
+    copies = [sorted(holders.get((EMBEDDING, i), set()) | holders.get((OUTPUT, i), set()))
+              for i in range(plan.tp)]
     return SyncSpec(
         rounds=tuple(r for r in live_rounds if r),
-        tied=(tuple(copies),) if tied and len(copies) > 1 else (),
-        owners={u: min(ranks) for u, ranks in holders.items()},
+        tied=tuple(tuple(c) for c in copies if len(c) > 1) if tied else (),
+        owners={key: min(ranks) for key, ranks in holders.items()},
     )
 
 
@@ -106,8 +112,8 @@ class GradSync:
 
     def __init__(self, model: torch.nn.Module, spec: SyncSpec, me: int,
                  rounds: Sequence[tuple[AllReduceGroup, dist.ProcessGroup] | None],
-                 tied: dist.ProcessGroup | None) -> None:
-        self.model, self.spec, self.me = model, spec, me
+                 tied: dist.ProcessGroup | None, tp_index: int = 0) -> None:
+        self.model, self.spec, self.me, self.tp_index = model, spec, me, tp_index
         self._rounds, self._tied_group = list(rounds), tied
         self._units = unit_parameters([model])
         shared = getattr(model, "share_embeddings_and_output_weights", False)
@@ -122,6 +128,8 @@ class GradSync:
         if num_tokens is None:
             raise ValueError("plans need calculate_per_token_loss=True (got no token count)")
         tokens = num_tokens.detach().to(reduction_device(), torch.float64).reshape(1)
+        if self.tp_index:  # every rank of a TP group saw the same tokens: count them once
+            tokens.zero_()
         dist.all_reduce(tokens)
         self.performed = []
         for k, mine in enumerate(self._rounds):
@@ -150,14 +158,17 @@ class GradSync:
             g.copy_(synced)
 
     def grad_norm(self) -> float:
-        """L2 norm of the global gradient (each unit once, the tied weight once)."""
-        order = sorted(self.spec.owners, key=unit_order)
+        """L2 norm of the global gradient: each unit's shard at each TP index once (a
+        parameter replicated over the TP group, not sharded, counts at index 0 only), the
+        tied weight once."""
+        order = sorted(self.spec.owners, key=lambda key: (unit_order(key[0]), key[1]))
         squares = torch.zeros(len(order), dtype=torch.float64, device=reduction_device())
-        for k, u in enumerate(order):
-            if self.spec.owners[u] == self.me:
+        for k, (u, i) in enumerate(order):
+            if self.spec.owners[(u, i)] == self.me:
                 params = self._params_of([u])
                 if u == EMBEDDING and self._tied is not None and self.model.pre_process:
                     params.append(self._tied)
-                squares[k] = sum(float(p.main_grad.double().square().sum()) for p in params)
+                squares[k] = sum(float(p.main_grad.double().square().sum()) for p in params
+                                 if i == 0 or getattr(p, "tensor_model_parallel", False))
         dist.all_reduce(squares)
         return math.sqrt(float(squares.sum()))

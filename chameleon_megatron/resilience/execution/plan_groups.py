@@ -5,10 +5,11 @@ rank in the current torch.distributed world, which must consist of exactly those
 Every rank creates every group, in one order derived from the plan alone
 (``megatron.groups.new_groups``):
 
-1. one group per live rank alone (megatron's TP and CP groups at tp = 1);
-2. with ``pipelines``: one group per pipeline, for megatron's 1F1B schedule;
-3. the gradient all-reduce groups, round by round (``grad_sync.SyncSpec``);
-4. the groups of the tied embedding's copies.
+1. one group per live rank alone (its CP group, and its TP group at tp = 1);
+2. at tp > 1, one TP group per stage;
+3. with ``pipelines``: one group per pipeline and TP index, for megatron's 1F1B schedule;
+4. the gradient all-reduce groups, round by round (``grad_sync.SyncSpec``);
+5. the groups of the tied embedding's copies.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ class PlanGroups:
     slot: Slot
     solo: dist.ProcessGroup
     """This rank alone."""
+    tp: dist.ProcessGroup
+    """This rank's stage's TP group (``solo`` at tp = 1)."""
     pipeline: dist.ProcessGroup | None
-    """This rank's pipeline, stage order = group rank order (None without ``pipelines``)."""
+    """This rank's pipeline at its TP index, stage order = group rank order (None without
+    ``pipelines``)."""
     rounds: tuple[tuple[AllReduceGroup, dist.ProcessGroup] | None, ...]
     """Per sync round, this rank's group in it (ranks in plan ids) and its handle."""
     tied: dist.ProcessGroup | None
@@ -46,27 +50,31 @@ def build_plan_groups(plan: Plan, me: int, spec: SyncSpec, *, world: Mapping[int
     _check_world(plan, me, world, pipelines)
     live = sorted(world, key=world.__getitem__)
     lists: list[tuple[int, ...]] = [(world[r],) for r in live]
-    if pipelines:
-        lists += [tuple(world[st.ranks[0]] for st in p.stages) for p in plan.pipelines]
+    stages = [st.ranks for p in plan.pipelines for st in p.stages] if plan.tp > 1 else []
+    lists += [tuple(world[r] for r in ranks) for ranks in stages]
+    pipes = [(j, i) for j in range(len(plan.pipelines)) for i in range(plan.tp)] \
+        if pipelines else []
+    lists += [tuple(world[st.ranks[i]] for st in plan.pipelines[j].stages) for j, i in pipes]
     sync = [g for rnd in spec.rounds for g in rnd]
     lists += [tuple(world[r] for r in g.ranks) for g in sync]
     lists += [tuple(world[r] for r in ranks) for ranks in spec.tied]
-    handles = groups.new_groups(lists, timeout_s=timeout_s)
+    handles = iter(groups.new_groups(lists, timeout_s=timeout_s))
     slot = slot_of(plan, me)
-    n_pipes = len(plan.pipelines) if pipelines else 0
-    sync_handles = iter(handles[len(live) + n_pipes:])
+    solo = [next(handles) for _ in live][live.index(me)]
+    tp = next((h for h in [next(handles) for _ in stages] if h is not None), solo)
+    pipeline = [next(handles) for _ in pipes]
     rounds = []
     for rnd in spec.rounds:
         mine = None
         for g in rnd:
-            handle = next(sync_handles)
+            handle = next(handles)
             if handle is not None:
                 mine = (g, handle)
         rounds.append(mine)
-    tied = [h for h in sync_handles if h is not None]
+    tied = [h for h in handles if h is not None]
     return PlanGroups(
-        slot=slot, solo=handles[live.index(me)],
-        pipeline=handles[len(live) + slot.pipeline] if pipelines else None,
+        slot=slot, solo=solo, tp=tp,
+        pipeline=pipeline[pipes.index((slot.pipeline, slot.tp_index))] if pipelines else None,
         rounds=tuple(rounds), tied=tied[0] if tied else None, world=dict(world),
     )
 
@@ -85,7 +93,9 @@ def _check_world(plan: Plan, me: int, world: Mapping[int, int], pipelines: bool)
     if not pipelines:
         return
     for j, pipe in enumerate(plan.pipelines):
-        ranks = [world.get(st.ranks[0]) for st in pipe.stages]
-        if None in ranks or ranks != sorted(ranks):
-            raise ValueError(f"pipeline {j}: world ranks {ranks} must all be live and ascend "
-                             "with the stage (order the world by stage_major_order)")
+        for i in range(plan.tp):
+            ranks = [world.get(st.ranks[i]) for st in pipe.stages]
+            if None in ranks or ranks != sorted(ranks):
+                raise ValueError(f"pipeline {j}: world ranks {ranks} must all be live and "
+                                 "ascend with the stage (order the world by "
+                                 "stage_major_order)")

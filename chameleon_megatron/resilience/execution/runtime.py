@@ -95,7 +95,7 @@ class PlanRuntime:
         return self.groups.slot
 
     def schedule_groups(self) -> Any:
-        return plan_seams.stage_groups(self.groups.solo, self.groups.pipeline)
+        return plan_seams.stage_groups(self.groups.solo, self.groups.tp, self.groups.pipeline)
 
 
 def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
@@ -120,8 +120,9 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     seed_stage(args.seed, slot_of(plan, me))
     groups = build_plan_groups(plan, me, spec, world=world, pipelines=reroute is None,
                                timeout_s=timeout_s)
-    model, optimizer = build_stage_model(args, plan, groups.slot, groups.solo)
-    sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied)
+    model, optimizer = build_stage_model(args, plan, groups.slot, groups.solo, groups.tp)
+    sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied,
+                    tp_index=groups.slot.tp_index)
     model.config.finalize_model_grads_func = sync
     model.config.grad_scale_func = None
     depth = plan.pipelines[groups.slot.pipeline].depth

@@ -33,12 +33,12 @@ from chameleon_megatron.training.optim import build_optimizer
 
 
 def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
-                 kernels: Kernels) -> Any:
+                 kernels: Kernels, tp: int = 1) -> Any:
     """The trainer's TransformerConfig for stage ``stage`` of a pipeline with ``counts``
-    layers per stage (any contiguous split)."""
+    layers per stage (any contiguous split), at tensor parallelism ``tp``."""
     layout = plan_seams.stage_layout(counts, stage) if len(counts) > 1 else None
     return dataclasses.replace(
-        transformer_config(args, kernels), tensor_model_parallel_size=1,
+        transformer_config(args, kernels), tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=len(counts),
         virtual_pipeline_model_parallel_size=None,
         num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
@@ -47,19 +47,21 @@ def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
 
 
 def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
-                      solo: dist.ProcessGroup) -> tuple[torch.nn.Module, Any]:
+                      solo: dist.ProcessGroup,
+                      tp: dist.ProcessGroup) -> tuple[torch.nn.Module, Any]:
     """The stage ``slot`` of ``plan`` in its DDP wrapper, and megatron's optimizer over it;
-    ``solo`` is a group of this rank alone (its TP and CP group at tp = 1). Weights are
-    megatron's random init: load the real ones afterwards."""
+    ``solo`` is a group of this rank alone, ``tp`` the stage's TP group (``solo`` at
+    tp = 1). Weights are megatron's random init: load the real ones afterwards."""
     pipe = plan.pipelines[slot.pipeline]
     kernels = available_kernels()
-    config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels)
+    config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels,
+                          tp=plan.tp)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
     gpt = plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
                                pre_process=slot.stage == 0,
                                post_process=slot.stage == pipe.depth - 1,
-                               groups=plan_seams.stage_groups(solo, position))
-    ddp_groups = plan_seams.stage_ddp_groups(solo, position)
+                               groups=plan_seams.stage_groups(solo, tp, position))
+    ddp_groups = plan_seams.stage_ddp_groups(solo, tp, position)
     (model,) = wrap_ddp(args, config, [gpt], pg_collection=ddp_groups)
     return model, build_optimizer(args, [model], pg_collection=ddp_groups)
 

@@ -46,7 +46,7 @@ from chameleon_megatron.resilience.decision.center import (
 from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.decision.placement import plan_refusal
+from chameleon_megatron.resilience.decision.placement import plan_refusal, reroute_refusal
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.engine import PlanEngine
@@ -566,7 +566,8 @@ class RecoveryController:
                 decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
                                   profile=profile, d_s=self._expected_time_to_failure(),
                                   strategy=self.ft.strategy,
-                                  plans=self.plans_refused or plan_refusal(args, self.plan))
+                                  plans=self.plans_refused or plan_refusal(args, self.plan),
+                                  reroute_refused=reroute_refusal(self.plan))
         except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dc_helpers import make_profile  # noqa: E402
 
 from chameleon_megatron.resilience.decision.placement import (  # noqa: E402
-    Slot, check_plan_runtime, kept_in_place, microbatch_ids, slot_of,
+    Slot, check_plan_runtime, kept_in_place, microbatch_ids, reroute_refusal, slot_of,
     stage_major_order,
 )
 from chameleon_megatron.resilience.execution.grad_sync import sync_spec  # noqa: E402
@@ -74,8 +74,12 @@ def test_the_runtime_refuses_what_it_does_not_execute() -> None:
                           ({"num_layers": 8}, "plan has 4 layers, the model 8")]:
         with pytest.raises(ValueError, match=message):
             check_plan_runtime(_args(**over), HETERO)
-    with pytest.raises(ValueError, match="tp=2"):
-        check_plan_runtime(_args(), UniformLayout(tp=2, pp=2, dp=1).to_plan(4, 2))
+    tp2 = UniformLayout(tp=2, pp=2, dp=1).to_plan(4, 2)
+    check_plan_runtime(_args(bf16=True), tp2)
+    assert reroute_refusal(tp2) == "tp=2: rerouting runs with tensor parallelism 1 only"
+    assert reroute_refusal(HETERO) is None
+    with pytest.raises(ValueError, match="--num-experts with tp=2"):
+        check_plan_runtime(_args(num_experts=4), tp2)
     odd = Plan(num_layers=8, pipelines=(Pipeline(stages=(
         Stage((0,), (0,)), Stage((1, 2), (1,)), Stage((3, 4, 5), (2,)), Stage((6, 7), (3,))),
         microbatches=1),))
@@ -91,8 +95,25 @@ def test_sync_spec_takes_the_restorers_rounds() -> None:
     assert by_ranks == {(0, 2, 3): {0, EMBEDDING}, (1, 2, 3): {1, 2, 3, OUTPUT}}
     assert [len(rnd) for rnd in spec.rounds] == [1, 1]
     assert spec.tied == ((0, 1, 2, 3),)  # every first and last stage holds a copy
-    assert spec.owners == {0: 0, EMBEDDING: 0, 1: 1, 2: 1, 3: 1, OUTPUT: 1}
+    assert spec.owners == {(0, 0): 0, (EMBEDDING, 0): 0, (1, 0): 1, (2, 0): 1, (3, 0): 1,
+                           (OUTPUT, 0): 1}
     assert sync_spec(HETERO, groups, rounds, tied=False).tied == ()
+
+
+def test_at_tp2_each_tp_index_syncs_its_own_shards() -> None:
+    """TP2 x PP2 x DP2: a unit's shards at TP index 0 and 1 are synced, tied and counted in
+    the norm apart, never together."""
+    plan = UniformLayout(tp=2, pp=2, dp=2).to_plan(4, 4)
+    profile = make_profile(4, gbs=8)
+    spec = sync_spec(plan, allreduce_groups(plan, profile), allreduce_rounds(plan, profile),
+                     tied=True)
+    index = {r: i for r, (i, _) in plan.holdings().items()}
+    for rnd in spec.rounds:
+        for g in rnd:
+            assert len({index[r] for r in g.ranks}) == 1, g
+    assert len(spec.tied) == 2 and all(len({index[r] for r in c}) == 1 for c in spec.tied)
+    assert {i for _, i in spec.owners} == {0, 1}
+    assert all(index[r] == i for (_, i), r in spec.owners.items())
 
 
 def test_sync_spec_refuses_rounds_that_would_mix_up_or_miss_gradients() -> None:
@@ -113,7 +134,7 @@ def test_dead_ranks_leave_the_groups_and_lone_copies_need_no_sync() -> None:
     spec = sync_spec(UNIFORM, groups, rounds, dead=frozenset({3}), tied=True)
     assert [[g.ranks for g in rnd] for rnd in spec.rounds] == [[(0, 1)]]
     assert spec.tied == ((0, 1, 2),)
-    assert spec.owners[OUTPUT] == 2 and spec.owners[EMBEDDING] == 0
+    assert spec.owners[(OUTPUT, 0)] == 2 and spec.owners[(EMBEDDING, 0)] == 0
 
 
 def test_rerouting_keeps_every_survivors_state_in_place() -> None:

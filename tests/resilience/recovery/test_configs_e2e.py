@@ -37,16 +37,18 @@ in the losses of the redone step and in the Adam step count, which must be exact
 
 
 def recover(tmp_path: Path, flags: tuple[str, ...], rtol: float,
-            ft: tuple[str, ...] = (), favour: str = "dp") -> tuple[dict, dict, dict]:
-    """The reference with ``flags``, then the 4-rank job with them and one failure; checks
-    the losses. Returns (recovery record, reference dump, the job's dumps)."""
+            ft: tuple[str, ...] = (), favour: str = "dp",
+            tp: int = 1) -> tuple[dict, dict, dict]:
+    """The reference with ``flags``, then the 4 x ``tp``-rank job with them and one failure;
+    checks the losses. Returns (recovery record, reference dump, the job's dumps)."""
     (tmp_path / "reference").mkdir()
     ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=flags)
     job = tmp_path / "job"
     job.mkdir()
-    profile = write_profile(job / "profile.json", favour=favour, tp=1)
-    recs, dumps, log = launch(job, 4, [
-        *flags, "--pipeline-model-parallel-size", "2", *FT,
+    profile = write_profile(job / "profile.json", favour=favour, tp=tp)
+    recs, dumps, log = launch(job, 4 * tp, [
+        *flags, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", str(tp),
+        *FT,
         "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
         *ft, *faults("rank=0,iteration=3,phase=backward,kind=exit")], timeout_s=300)
     assert assert_losses_match(recs, ref_losses, rtol=rtol) == list(range(1, ITERS + 1)), \
@@ -103,3 +105,19 @@ def test_an_moe_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: 
     assert done["decision"]["executed"] == strategy and done["layout_after"]["mode"] == mode, \
         done["layout_after"]
     assert_every_copy_matches(ref_dump, dumps)
+
+
+@pytest.mark.parametrize("flags, rtol", [((), 1e-4), (("--bf16",), BF16_RTOL)])
+def test_a_tp2_job_re_plans_onto_a_heterogeneous_pipeline(tmp_path: Path, flags: tuple,
+                                                          rtol: float) -> None:
+    """8 ranks, TP2 x PP2 x DP2; rank 0 dies, its TP group with it: the three intact TP
+    groups form one pipeline of depth 3 (the plan runtime at tp = 2: a TP group per stage,
+    each TP index synced apart, logits gathered over the stage's TP group for the loss)."""
+    done, ref_dump, dumps = recover(tmp_path, flags, rtol=rtol,
+                                    ft=("--chameleon-ft-strategy", "replan"), favour="pp", tp=2)
+    lay = done["layout_after"]
+    assert done["decision"]["executed"] == "replan" and lay["mode"] == "hetero", lay
+    assert [len(p["stages"]) for p in lay["pipelines"]] == [3], lay
+    assert all(len(st) == 2 for st in lay["pipelines"][0]["stages"]), lay
+    assert_same_state(combine([ref_dump]), combine(list(dumps.values())),
+                      rtol=1e-4 if rtol == 1e-4 else STATE_RTOL)

@@ -8,8 +8,9 @@ initial weights do not depend on the layout, so every layout must reproduce its 
   Everything recovers in memory: every step once, every loss and, at the end, every weight and
   Adam moment as in the reference.
 * 8 ranks, TP2 x PP2 x DP2: rank 5 dies in its optimizer step (the others have applied that
-  step: it is kept, not redone); spares wait; later both ranks holding stage 1 die: no copy is
-  left, the survivors (a spare among them) load the last checkpoint into the new layout.
+  step: it is kept, not redone); the intact TP groups form one heterogeneous pipeline, a
+  spare waits; later both ranks of its last stage die: no copy is left, the survivors load
+  the last checkpoint (taken before the plan: plans take none) into a megatron layout.
 
 The re-plan is made deterministic by a profile whose links favour depth-1 pipelines (4 ranks)
 or one deep pipeline (8 ranks). The worker is ``recovery_worker.py``.
@@ -75,27 +76,33 @@ def test_four_ranks_recover_in_memory_from_three_failures(reference, tmp_path: P
 
 def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
         reference, tmp_path: Path) -> None:
+    """TP2 x PP2 x DP2. Rank 5 fails after applying step 3: kept; its TP group is broken,
+    so the three intact ones form one heterogeneous pipeline (rank 4 a spare), which takes
+    no checkpoint (step 4's is skipped). Ranks 6 and 7, a whole stage, die in step 6: its
+    layers have no copy left, so the job falls back to the checkpoint of step 2 on a megatron
+    layout and redoes steps 3 to 5."""
     ref_losses, ref_dump = reference
     profile = write_profile(tmp_path / "profile.json", favour="pp", tp=2)
     recs, dumps, log = launch(tmp_path, 8, [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
         *FT, "--chameleon-ft-startup-timeout-s", "200", "--chameleon-ft-profile", str(profile),
         *faults("rank=5,iteration=3,phase=optimizer,kind=exception",
                 "rank=6,iteration=6,phase=forward,kind=exit",
                 "rank=7,iteration=6,phase=forward,kind=exit")], timeout_s=420)
-    # step 3 was applied by every survivor before its loss was summed: kept, never redone;
-    # after the fallback to the checkpoint of step 4, step 5 runs again
-    assert assert_losses_match(recs, ref_losses) == [1, 2, 4, 5, 5, 6, 7, 8], log[-4000:]
+    assert assert_losses_match(recs, ref_losses) == [1, 2, 4, 5, 3, 4, 5, 6, 7, 8], log[-4000:]
     first, second = [r for r in recs if r["event"] == "recovery"]
     assert (first["failed_ranks"], first["redo_iteration"], first["fallback"]) == ([5], 4, None)
     lay = first["layout_after"]
-    assert (lay["tp"], lay["pp"], lay["dp"], len(first["spares"])) == (2, 2, 1, 3)
-    assert (second["failed_ranks"], second["redo_iteration"]) == ([6, 7], 5)
-    assert second["fallback"] == "checkpoint" and second["decision"]["lost"] == [2, 3, "output"]
-    assert set(second["layout_after"]["ranks"]) & set(first["spares"]), "no spare rejoined"
-    assert second["spares"] == [4] and dumps[4] == {"spare": True}
-    assert sorted(dumps) == [0, 1, 2, 3, 4]
+    assert lay["mode"] == "hetero" and first["spares"] == [4], lay
+    assert [st for p in lay["pipelines"] for st in p["stages"]] == [[0, 1], [2, 3], [6, 7]]
+    assert (second["failed_ranks"], second["redo_iteration"]) == ([6, 7], 3)
+    assert second["fallback"] == "checkpoint" and "output" in second["decision"]["lost"]
+    assert second["state_from"] == {"source": "checkpoint"}
+    lay = second["layout_after"]
+    assert (lay["mode"], lay["tp"], lay["pp"], lay["dp"], second["spares"]) == (
+        "megatron", 2, 2, 1, [4])
+    assert sorted(dumps) == [0, 1, 2, 3, 4] and dumps[4] == {"spare": True}
     assert_same_state(combine([ref_dump]), combine([dumps[r] for r in range(4)]))
 
 
