@@ -116,6 +116,10 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
          "interleaved pipelines (virtual stages) are not recovered yet"),
         (margs.rampup_batch_size is None,
          "--rampup-batch-size: the decision center plans for one global batch size"),
+        (not (margs.use_distributed_optimizer
+              and getattr(margs, "expert_model_parallel_size", 1) > 1),
+         "--use-distributed-optimizer with --expert-model-parallel-size > 1: the shard "
+         "copies follow the data-parallel group, not the expert data-parallel one"),
     ]
     refused = next((why for ok, why in limits if not ok), None)
     if refused is not None:

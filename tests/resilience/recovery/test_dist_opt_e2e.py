@@ -96,6 +96,13 @@ def test_a_bf16_distributed_optimizer_recovers_from_its_shard_copies(tmp_path: P
     recover(tmp_path, 1, ("--bf16",), rtol=BF16_RTOL, state_rtol=STATE_RTOL)
 
 
+def test_an_moe_job_with_the_distributed_optimizer_recovers(tmp_path: Path) -> None:
+    """An MoE model's expert weights and their Adam state travel as pieces too (megatron's
+    distributed optimizer is Adam only: SGD is not one of its configurations)."""
+    recover(tmp_path, 2, ("--num-experts", "4", "--disable-bias-linear"), rtol=1e-4,
+            state_rtol=1e-4)
+
+
 @pytest.mark.parametrize("strategy", ["adaptive", "reroute", "replan"])
 def test_a_bf16_tp2_distributed_optimizer_job_recovers(tmp_path: Path, strategy: str) -> None:
     """8 ranks, TP2 x PP2 x DP2, bf16: the plan runtime refuses the distributed optimizer,
