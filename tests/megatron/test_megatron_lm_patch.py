@@ -177,7 +177,8 @@ def test_chain_providers_keeps_order_and_skips_none():
 
 
 MARGS = argparse.Namespace(num_layers_per_virtual_pipeline_stage=None, rampup_batch_size=None,
-                           use_distributed_optimizer=False, optimizer="adam")
+                           use_distributed_optimizer=False, optimizer="adam",
+                           expert_model_parallel_size=1)
 
 
 def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
@@ -198,7 +199,8 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
 @pytest.mark.parametrize("ft, margs, message", [
     ({"respawns": 1}, {}, "ft.respawns=1: Megatron-LM's pretrain_gpt.py admits no new members"),
     ({"join": True}, {}, "ft.join=True: Megatron-LM's pretrain_gpt.py admits no new members"),
-    ({}, {"use_distributed_optimizer": True}, "--chameleon-ft: --use-distributed-optimizer"),
+    ({}, {"use_distributed_optimizer": True, "expert_model_parallel_size": 2},
+     "--chameleon-ft: --use-distributed-optimizer with --expert-model-parallel-size > 1"),
     ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),
     ({}, {"num_layers_per_virtual_pipeline_stage": 1}, "interleaved pipelines"),
 ])

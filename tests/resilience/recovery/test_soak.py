@@ -259,3 +259,16 @@ def must_fire(fault: str, recs: list[dict]) -> bool:
     ends = [r["redo_iteration"] for r in gens[1:]] + [ITERS]
     return not any(_rank(fault) in r["spares"] for r, end in zip(gens, ends)
                    if r["redo_iteration"] <= it <= end)
+
+
+@soak_job
+def test_soak_random_seed(reference, tmp_path: Path) -> None:
+    seed = int(os.environ.get("CHAMELEON_SOAK_SEED") or random.SystemRandom().randrange(10**6))
+    print(f"soak seed {seed}")
+    soak(seed, reference, tmp_path)
+
+
+@soak_job
+@pytest.mark.parametrize("seed", FOUND_BUGS)
+def test_soak_replays_seeds_that_found_bugs(seed: int, reference, tmp_path: Path) -> None:
+    soak(seed, reference, tmp_path)
