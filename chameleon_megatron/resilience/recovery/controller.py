@@ -130,9 +130,9 @@ class Held:
             if run.iteration == trainer.iteration:  # the work after it is redone as usual
                 run = dataclasses.replace(run, after_step=trainer.after_step)
             return cls(run, _NoState())
-        return cls(run_state_of(trainer, rng), ModelState(*trainer.model_and_optimizer(),
-                                                          role="source"),
-                   trainer.model_and_optimizer())
+        model, optimizer = trainer.model_and_optimizer()
+        return cls(run_state.of(trainer, rng), ModelState(model, optimizer, role="source"),
+                   (model, optimizer))
 
     @classmethod
     def nothing(cls) -> Held:
@@ -192,11 +192,11 @@ class RecoveryController:
         self._window_s = 0.0
         """The current recovery attempt's window for each wait."""
         self._attempt_failures = 0
+        """Failures announced when the current attempt's membership was agreed."""
         self._completed = 0
         """Steps this rank had completed when the recovery in progress began."""
         self._state_from: dict[str, Any] | None = None
         """Where the recovery in progress takes the state from (for its record)."""
-        """Failures announced when the current attempt's membership was agreed."""
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
@@ -219,7 +219,7 @@ class RecoveryController:
         """Copy the distributed optimizer's shards to host memory and to each one's
         data-parallel successor (collective over every data-parallel group)."""
         model, optimizer = trainer.model_and_optimizer()
-        self.shards.refresh(model, optimizer, run_state_of(trainer, rng_state()), me=self.me,
+        self.shards.refresh(model, optimizer, run_state.of(trainer, rng_state()), me=self.me,
                             world_to_job=tuple(active if active is not None else self.active))
 
     def _keepalive(self) -> None:
@@ -491,7 +491,8 @@ class RecoveryController:
         agreed = _agree(states)
         if self.shards is not None:
             shards = shard_assembly.read(scope, membership.members)
-            agreed = _without(agreed, shard_assembly.unassemblable(shards, agreed.iteration))
+            agreed = run_state.without(agreed,
+                                       shard_assembly.unassemblable(shards, agreed.iteration))
             self._state_from = shard_assembly.sources(shards, agreed.iteration,
                                                       self._completed)
         decision = self._decision(trainer, scope, membership, agreed, timeouts)
@@ -686,18 +687,6 @@ def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunStat
                       scheduler_state=agreed.scheduler, after_step=agreed.after_step)
     if donor is not None:
         set_rng_state(states[donor].rng)
-
-
-def _without(agreed: Agreed, unusable: Sequence[int]) -> Agreed:
-    """``agreed`` with ``unusable`` members' state treated as stale (not a source)."""
-    bad = set(unusable)
-    return dataclasses.replace(agreed, fresh=tuple(r for r in agreed.fresh if r not in bad),
-                               stale=tuple(sorted(set(agreed.stale) | bad)))
-
-
-def run_state_of(trainer: TrainerHandle, rng: dict[str, Any]) -> RunState:
-    return RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-                    scheduler=trainer.scheduler_state(), rng=rng, after_step=trainer.after_step)
 
 
 def _group_sum(group: Any, value: int) -> int:

@@ -14,14 +14,15 @@ that all run the same collectives in the new layout.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from chameleon_megatron.training.plugin import AFTER_STEP
+from chameleon_megatron.training.plugin import AFTER_STEP, TrainerHandle
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,19 @@ def agree(states: Mapping[int, RunState]) -> Agreed:
                   scheduler=ref.scheduler, fresh=fresh,
                   stale=tuple(sorted(r for r in states if r not in fresh)),
                   after_step=min(pending, key=AFTER_STEP.index, default=""))
+
+
+def of(trainer: TrainerHandle, rng: dict[str, Any]) -> RunState:
+    """The trainer's position now, with ``rng`` as the RNG streams of its next step."""
+    return RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
+                    scheduler=trainer.scheduler_state(), rng=rng, after_step=trainer.after_step)
+
+
+def without(agreed: Agreed, unusable: Sequence[int]) -> Agreed:
+    """``agreed`` with ``unusable`` members' state treated as stale (not a source)."""
+    bad = set(unusable)
+    return dataclasses.replace(agreed, fresh=tuple(r for r in agreed.fresh if r not in bad),
+                               stale=tuple(sorted(set(agreed.stale) | bad)))
 
 
 def publish(store: dist.Store, rank: int, state: RunState) -> None:
