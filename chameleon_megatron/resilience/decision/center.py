@@ -202,14 +202,11 @@ def local_copies(plan: Plan, holdings: Holdings, profile: Profile) -> tuple[Tran
 
 def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile: Profile,
            d_s: float, strategy: Strategy = "adaptive", time_limit_s: float | None = 2.0,
-           plans: str | None = None, reroute_refused: str | None = None) -> RecoveryDecision:
+           plans: str | None = None) -> RecoveryDecision:
     """Both candidates for the survivors ``alive`` of ``current``, the choice, and how it
     runs. ``stale`` members are alive but hold no usable state (spares, joiners). ``plans``:
     None when the plan runtime executes this model, else why not (then only uniform
-    re-plans are made and rerouting is scored but not executed); ``reroute_refused``: why
-    the plan runtime cannot reroute this layout although it runs plans (rerouting is then
-    scored but not executed)."""
-    refused = plans or reroute_refused
+    re-plans are made and rerouting is scored but not executed)."""
     alive_set, stale_set = set(alive), set(stale)
     dead = set(current.ranks()) - alive_set
     holdings = {r: h for r, h in current.holdings().items()
@@ -228,7 +225,7 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
         record, choice = dict(selected.record), selected.chosen.name
     except NoFeasibleCandidate as exc:
         record, choice = dict(exc.record), None
-    kept = choice == REROUTE and refused is None and reroute.reroute is not None
+    kept = choice == REROUTE and plans is None and reroute.reroute is not None
     if kept:
         decision = _kept(current, reroute.reroute, reroute.t_step_s, holdings, profile,
                          alive_set)
@@ -236,7 +233,7 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
         decision = _replanned(replan, holdings, profile, alive_set)
     record.update(
         executed=REROUTE if kept else REPLAN,
-        mode=decision.mode, executed_reason=_reason(choice, decision.fallback, refused),
+        mode=decision.mode, executed_reason=_reason(choice, decision.fallback, plans),
         fallback=decision.fallback, stale=sorted(stale_set), layout_before=current.describe(),
         layout_after=decision.plan.describe(),
         transfers=sum(t.src != t.dst for t in decision.transfers),
@@ -283,7 +280,7 @@ def _kept(current: Plan, rp: ReroutePlan | None, t_step_s: float | None, holding
     """Keep ``current``; the survivors keep their stages (copied into the plan runtime).
     Without dead ranks (new members were offered, but keeping the layout scores better)
     the plan runs as it did: a megatron layout natively, a heterogeneous one as a plan."""
-    dead = set(rp.failed_ranks) if rp is not None else set()
+    dead = set(rp.stopped_ranks) if rp is not None else set()
     mode: Mode = "reroute"
     active = tuple(r for r in stage_major_order(current) if r not in dead)
     if not dead:

@@ -78,14 +78,6 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
     return next((message for ok, message in limits if not ok), None)
 
 
-def reroute_refusal(plan: Plan) -> str | None:
-    """Why the plan runtime cannot reroute around dead ranks of ``plan`` (beyond
-    ``plan_refusal``), or None when it can."""
-    if plan.tp > 1:
-        return f"tp={plan.tp}: rerouting runs with tensor parallelism 1 only"
-    return None
-
-
 def check_plan_runtime(args: argparse.Namespace, plan: Plan) -> None:
     """Refuse, before any work, what the plan runtime does not execute yet."""
     refusal = plan_refusal(args, plan)

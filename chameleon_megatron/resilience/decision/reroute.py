@@ -34,6 +34,14 @@ class ReroutePlan:
     failed_ranks: tuple[int, ...]
     reroutes: tuple[Reroute, ...]
 
+    @property
+    def stopped_ranks(self) -> tuple[int, ...]:
+        """Every rank of a failed stage: the dead ones and, at tp > 1, their live TP
+        partners, which cannot run the stage without them (they wait as spares)."""
+        dead = set(self.failed_ranks)
+        return tuple(sorted(r for pipe in self.plan.pipelines for st in pipe.stages
+                            if dead.intersection(st.ranks) for r in st.ranks))
+
     def extra_microbatches(self) -> dict[tuple[int, int], int]:
         """(pipeline, stage) of each peer -> microbatches it runs for failed stages."""
         stage_of = _stage_by_units(self.plan)

@@ -16,6 +16,7 @@ receives and non-blocking sends cannot deadlock.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
@@ -37,11 +38,10 @@ class Op:
 
 def routes(plan: Plan, reroute: ReroutePlan,
            ids: Sequence[Sequence[int]]) -> dict[int, tuple[int, ...]]:
-    """Global microbatch -> rank of each stage of its pipeline (failed stages replaced by
-    their peers, the failed pipeline's microbatches taken in order). ``ids``: the global
-    microbatches of each pipeline. Raises ValueError if a route still meets a dead rank."""
-    if plan.tp != 1:
-        raise ValueError(f"tp={plan.tp}: routes are built for tensor parallelism 1")
+    """Global microbatch -> rank of each stage of its pipeline, a stage named by its TP
+    index 0 (failed stages replaced by their peers, the failed pipeline's microbatches taken
+    in order). ``ids``: the global microbatches of each pipeline. Raises ValueError if a
+    route still meets a failed stage."""
     out = {g: [st.ranks[0] for st in pipe.stages]
            for pipe, mine in zip(plan.pipelines, ids) for g in mine}
     for r in reroute.reroutes:
@@ -52,12 +52,28 @@ def routes(plan: Plan, reroute: ReroutePlan,
             s = next(s for s in range(peer_pipe.depth) if peer_pipe.stage_units(s) == units)
             for _ in range(count):
                 out[next(mine)][r.stage] = peer_pipe.stages[s].ranks[0]
-    dead = set(reroute.failed_ranks)
+    stopped = set(reroute.stopped_ranks)
     for g, route in out.items():
-        if dead.intersection(route):
-            raise ValueError(f"microbatch {g} still meets dead ranks "
-                             f"{sorted(dead.intersection(route))} on its route {route}")
+        if stopped.intersection(route):
+            raise ValueError(f"microbatch {g} still meets failed stages "
+                             f"{sorted(stopped.intersection(route))} on its route {route}")
     return {g: tuple(route) for g, route in out.items()}
+
+
+def rank_ops(plan: Plan, reroute: ReroutePlan, ids: Sequence[Sequence[int]],
+             me: int) -> tuple[Op, ...]:
+    """``me``'s operations: those of its stage (``schedule`` over ``routes``), exchanged
+    with the ranks of the same TP index in the neighbouring stages (at tp > 1 every rank of
+    a stage runs the stage's ops, and each carries the whole activation)."""
+    stage_of = {r: st.ranks for pipe in plan.pipelines for st in pipe.stages for r in st.ranks}
+    ranks = stage_of[me]
+    i = ranks.index(me)
+
+    def peer(rank: int | None) -> int | None:
+        return None if rank is None else stage_of[rank][i]
+
+    ops = schedule(routes(plan, reroute, ids)).get(ranks[0], ())
+    return tuple(dataclasses.replace(op, recv=peer(op.recv), send=peer(op.send)) for op in ops)
 
 
 def schedule(route_of: Mapping[int, Sequence[int]]) -> dict[int, tuple[Op, ...]]:

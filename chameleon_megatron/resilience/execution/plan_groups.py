@@ -50,7 +50,8 @@ def build_plan_groups(plan: Plan, me: int, spec: SyncSpec, *, world: Mapping[int
     _check_world(plan, me, world, pipelines)
     live = sorted(world, key=world.__getitem__)
     lists: list[tuple[int, ...]] = [(world[r],) for r in live]
-    stages = [st.ranks for p in plan.pipelines for st in p.stages] if plan.tp > 1 else []
+    stages = [st.ranks for p in plan.pipelines for st in p.stages
+              if plan.tp > 1 and all(r in world for r in st.ranks)]  # a failed stage has none
     lists += [tuple(world[r] for r in ranks) for ranks in stages]
     pipes = [(j, i) for j in range(len(plan.pipelines)) for i in range(plan.tp)] \
         if pipelines else []

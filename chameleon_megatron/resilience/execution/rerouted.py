@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups, plan_seams
 from chameleon_megatron.resilience.decision.placement import microbatch_ids
-from chameleon_megatron.resilience.decision.reroute_schedule import Op, routes, schedule
+from chameleon_megatron.resilience.decision.reroute_schedule import Op, rank_ops
 from chameleon_megatron.resilience.execution.runtime import (
     Batches,
     PlanRuntime,
@@ -33,7 +33,7 @@ def rerouted_ops(rt: PlanRuntime) -> tuple[Op, ...]:
     """This rank's operations of the step, in order (plan rank ids)."""
     if rt.reroute is None:
         raise ValueError("this runtime runs whole pipelines: train it with run_hetero_step")
-    return schedule(routes(rt.plan, rt.reroute, microbatch_ids(rt.plan))).get(rt.me, ())
+    return rank_ops(rt.plan, rt.reroute, microbatch_ids(rt.plan), rt.me)
 
 
 def run_reroute_step(rt: PlanRuntime, batches: Batches) -> StepResult:

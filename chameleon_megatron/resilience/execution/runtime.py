@@ -114,7 +114,7 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     plan_seams.check_plan_seams()
     if reroute is not None and reroute.plan != plan:
         raise ValueError("the rerouting plan is for another plan than the one given")
-    dead = frozenset(reroute.failed_ranks if reroute else ())
+    dead = frozenset(reroute.stopped_ranks if reroute else ())
     spec = sync_spec(plan, sync_groups, sync_rounds, dead=dead,
                      tied=not args.untie_embeddings_and_output_weights)
     seed_stage(args.seed, slot_of(plan, me))

@@ -46,7 +46,7 @@ from chameleon_megatron.resilience.decision.center import (
 from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.decision.placement import plan_refusal, reroute_refusal
+from chameleon_megatron.resilience.decision.placement import plan_refusal
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.engine import PlanEngine
@@ -346,8 +346,10 @@ class RecoveryController:
         """The decision center, with the step times measured since the rerouting, for the
         same survivors: does it now choose the re-plan?"""
         members = [r for r in self.members if r not in self.reroute.failed_ranks]
+        idle = set(self.reroute.stopped_ranks)  # TP partners of dead ranks: spares now
         agreed = Agreed(iteration=trainer.iteration, consumed_samples=0, scheduler={},
-                        fresh=tuple(members), stale=())
+                        fresh=tuple(r for r in members if r not in idle),
+                        stale=tuple(r for r in members if r in idle))
         data = self._decide(trainer, Membership(self.generation, tuple(members), frozenset()),
                             agreed)
         return data.get("mode") not in (None, "reroute")
@@ -567,8 +569,7 @@ class RecoveryController:
                 decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
                                   profile=profile, d_s=self._expected_time_to_failure(),
                                   strategy=self.ft.strategy,
-                                  plans=self.plans_refused or plan_refusal(args, self.plan),
-                                  reroute_refused=reroute_refusal(self.plan))
+                                  plans=self.plans_refused or plan_refusal(args, self.plan))
         except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}

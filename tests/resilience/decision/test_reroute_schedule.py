@@ -26,7 +26,9 @@ from chameleon_megatron.resilience.decision.layout import (  # noqa: E402
 from chameleon_megatron.resilience.decision.reroute import (  # noqa: E402
     Infeasible, Reroute, ReroutePlan, plan_reroute,
 )
-from chameleon_megatron.resilience.decision.reroute_schedule import routes, schedule  # noqa: E402
+from chameleon_megatron.resilience.decision.reroute_schedule import (  # noqa: E402
+    rank_ops, routes, schedule,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,5 +133,31 @@ def test_rerouting_a_heterogeneous_plan_to_a_peer_of_another_depth() -> None:
 def test_routes_refuse_a_plan_that_leaves_a_dead_rank_on_a_route() -> None:
     plan = UniformLayout(tp=1, pp=2, dp=2).to_plan(4, 4)
     rp = ReroutePlan(plan=plan, failed_ranks=(3,), reroutes=())
-    with pytest.raises(ValueError, match=r"microbatch 1 still meets dead ranks \[3\]"):
+    with pytest.raises(ValueError, match=r"microbatch 1 still meets failed stages \[3\]"):
+        routes(plan, rp, microbatch_ids(plan))
+
+
+def test_at_tp2_a_failed_stage_stops_whole_and_each_tp_index_follows_its_routes() -> None:
+    """TP2 x PP2 x DP2 (stages (0, 1), (2, 3) | (4, 5), (6, 7)), rank 0 dead: its partner 1
+    stops too; pipeline 0's microbatches run their first stage on (2, 3), each TP index
+    exchanging with the same index of the next stage."""
+    plan = UniformLayout(tp=2, pp=2, dp=2).to_plan(4, 8)
+    rp = plan_reroute(plan, [0], make_profile(4, gbs=8, tp=2))
+    assert rp.failed_ranks == (0,) and rp.stopped_ranks == (0, 1)
+    ids = microbatch_ids(plan)
+    leaders = routes(plan, rp, ids)
+    assert {leaders[g] for g in ids[0]} == {(2, 4)}
+    assert rank_ops(plan, rp, ids, 1) == ()
+    for index in (0, 1):
+        route_of = {g: tuple(r + index for r in route) for g, route in leaders.items()}
+        ops = {r: rank_ops(plan, rp, ids, r) for r in range(2 + index, 8, 2)}
+        check(route_of, ops)
+        assert sum(op.kind == "F" for op in ops[2 + index]) == 8
+
+
+def test_a_rerouting_plan_stops_every_rank_of_a_failed_stage() -> None:
+    plan = UniformLayout(tp=2, pp=2, dp=2).to_plan(4, 8)
+    rp = ReroutePlan(plan=plan, failed_ranks=(5, 6), reroutes=())
+    assert rp.stopped_ranks == (4, 5, 6, 7)
+    with pytest.raises(ValueError, match=r"still meets failed stages \[4\]"):
         routes(plan, rp, microbatch_ids(plan))

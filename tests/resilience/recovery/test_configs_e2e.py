@@ -121,3 +121,19 @@ def test_a_tp2_job_re_plans_onto_a_heterogeneous_pipeline(tmp_path: Path, flags:
     assert all(len(st) == 2 for st in lay["pipelines"][0]["stages"]), lay
     assert_same_state(combine([ref_dump]), combine(list(dumps.values())),
                       rtol=1e-4 if rtol == 1e-4 else STATE_RTOL)
+
+
+def test_a_tp2_job_reroutes_around_a_dead_tensor_parallel_group(tmp_path: Path) -> None:
+    """8 ranks, TP2 x PP2 x DP2, stages (0, 1) (2, 3) | (4, 5) (6, 7); rank 0 dies: its
+    partner 1 waits as a spare, pipeline 0's microbatches run their first stage on (2, 3),
+    each TP index sending to the same index of the next stage; nothing moves."""
+    done, ref_dump, dumps = recover(tmp_path, (), rtol=1e-4,
+                                    ft=("--chameleon-ft-strategy", "reroute"), favour="pp",
+                                    tp=2)
+    lay = done["layout_after"]
+    assert (lay["mode"], lay["rerouted"], lay["ranks"]) == ("reroute", [0], [2, 3, 4, 5, 6, 7])
+    assert done["spares"] == [1] and done["migrated_bytes"] == 0, done
+    assert dumps[1].get("spare"), dumps[1]
+    for replica in ([2, 3, 4, 5], [2, 3, 6, 7]):  # every TP shard of every stage that trained
+        assert_same_state(combine([ref_dump]),
+                          combine([{**dumps[r], "dp_rank": 0} for r in replica]))

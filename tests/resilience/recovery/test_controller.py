@@ -142,6 +142,20 @@ def test_when_rerouting_wins_the_score_the_kept_layout_reroutes() -> None:
         d.layout
 
 
+def test_at_tp2_rerouting_leaves_the_dead_ranks_partner_a_spare() -> None:
+    """TP2 x PP2 x DP2, rank 3 dead (stage 0 of pipeline 1 is ranks 2, 3): rank 2 cannot run
+    the stage alone, so it waits as a spare, keeps nothing, and syncs with nobody."""
+    plan = uniform_plan(UniformLayout(tp=2, pp=2, dp=2), list(range(8)), 4, 8)
+    profile = make_profile(4, ar_bw=1e12, regroup=60.0, tp=2)
+    d = decide(plan, alive=[0, 1, 2, 4, 5, 6, 7], stale=[], profile=profile, d_s=100.0,
+               strategy="reroute")
+    assert d.record["executed"] == "reroute" and d.mode == "reroute"
+    assert (d.reroute.failed_ranks, d.reroute.stopped_ranks) == ((3,), (2, 3))
+    assert (d.active, d.spares) == ((0, 1, 4, 5, 6, 7), (2,))
+    assert {t.src for t in d.transfers} == {0, 1, 4, 5, 6, 7}
+    assert d.reroute.reroutes[0].targets == ((0, 4),)
+
+
 def test_a_model_the_plan_runtime_cannot_run_re_plans_and_says_why() -> None:
     d = decide(DP2_PP2, alive=[0, 1, 2], stale=[], profile=REROUTE_WINS, d_s=100.0,
                plans=UNIFORM)
