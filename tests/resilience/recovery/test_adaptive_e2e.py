@@ -42,7 +42,10 @@ ITERS = 14
 BATCH = ("--micro-batch-size", "1", "--global-batch-size", "16", "--eval-interval", "5",
          "--eval-iters", "1")
 EIGHT = ["--pipeline-model-parallel-size", "2", *BATCH, *FT,
-         "--chameleon-ft-startup-timeout-s", "200"]
+         "--chameleon-ft-startup-timeout-s", "200", "--chameleon-ft-min-pg-timeout-s", "10"]
+"""Heartbeat 20 s: these jobs lose ranks by exits only (announced at once, so no wait is
+longer for it), and a CI machine running the soak beside them once stalled a healthy rank
+in a step for 10 s, which the default heartbeat took for a hang."""
 PROFILE_8 = {"micro_batch_size": 1, "global_batch_size": 16}
 
 

@@ -234,7 +234,10 @@ def _tails(logs: list[Path]) -> str:
 
 def check(recs: list[dict], dumps: dict, log: str, ref_losses: dict, ref_dump: dict,
           plan: list[str]) -> None:
-    seen = assert_losses_match(recs, ref_losses)
+    try:
+        seen = assert_losses_match(recs, ref_losses)
+    except AssertionError as exc:  # which transition came before the wrong loss
+        raise AssertionError(f"{exc}; recoveries: {story(recs)}") from None
     assert seen == sorted(set(seen)) and seen[-1] == ITERS, (seen, log[-4000:])
     kept = {r["redo_iteration"] - 1 for r in recs if r["event"] == "recovery"}
     missing = set(range(1, ITERS + 1)) - set(seen)
@@ -243,6 +246,16 @@ def check(recs: list[dict], dumps: dict, log: str, ref_losses: dict, ref_dump: d
     due = [f for f in plan if must_fire(f, recs)]
     assert set(due) <= fired and len(fired) >= RANKS // 2, ("faults due", due, "fired", fired)
     assert_every_copy_matches(ref_dump, dumps)
+
+
+def story(recs: list[dict]) -> list[str]:
+    """One line per recovery: generation, cause, who failed or joined, the step redone, the
+    layout and where the state came from."""
+    return [f"gen {r['generation']} {r['cause']} failed={r['failed_ranks']} "
+            f"joined={r.get('joined', [])} redo={r['redo_iteration']} "
+            f"{r['decision'].get('executed')}/{r['layout_after'].get('mode')} "
+            f"ranks={r['layout_after'].get('ranks')} spares={r['spares']} "
+            f"from={r.get('state_from')}" for r in recs if r["event"] == "recovery"]
 
 
 def must_fire(fault: str, recs: list[dict]) -> bool:
