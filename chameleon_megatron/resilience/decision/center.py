@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from chameleon_megatron.resilience.decision.candidates import (
@@ -31,11 +32,16 @@ from chameleon_megatron.resilience.decision.layout import (
     Pipeline,
     Plan,
     Stage,
+    StateUnit,
     UniformLayout,
     contiguous_layers,
 )
 from chameleon_megatron.resilience.decision.perf_model import StepEstimate, plan_step, unit_cost
-from chameleon_megatron.resilience.decision.placement import kept_in_place, stage_major_order
+from chameleon_megatron.resilience.decision.placement import (
+    NoFreshCopy,
+    kept_in_place,
+    stage_major_order,
+)
 from chameleon_megatron.resilience.decision.planner import Planner, SearchOptions
 from chameleon_megatron.resilience.decision.profile import Profile
 from chameleon_megatron.resilience.decision.reroute import Reroute, ReroutePlan
@@ -226,14 +232,19 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     except NoFeasibleCandidate as exc:
         record, choice = dict(exc.record), None
     kept = choice == REROUTE and plans is None and reroute.reroute is not None
+    decision = None
     if kept:
-        decision = _kept(current, reroute.reroute, reroute.t_step_s, holdings, profile,
-                         alive_set)
-    else:
+        try:
+            decision = _kept(current, reroute.reroute, reroute.t_step_s, holdings, profile,
+                             alive_set, stale_set)
+        except NoFreshCopy:  # a unit with no fresh copy: the re-plan falls back
+            kept = False
+    if decision is None:
         decision = _replanned(replan, holdings, profile, alive_set)
     record.update(
         executed=REROUTE if kept else REPLAN,
-        mode=decision.mode, executed_reason=_reason(choice, decision.fallback, plans),
+        mode=decision.mode,
+        executed_reason=_reason(choice, decision.fallback, plans),
         fallback=decision.fallback, stale=sorted(stale_set), layout_before=current.describe(),
         layout_after=decision.plan.describe(),
         transfers=sum(t.src != t.dst for t in decision.transfers),
@@ -261,13 +272,15 @@ def swap_budgets(plan: Plan, est: StepEstimate) -> tuple[dict[int, float], list[
 
 
 def keep_layout(current: Plan, reroute: ReroutePlan | None, *, alive: Sequence[int],
-                profile: Profile, cause: str) -> RecoveryDecision:
+                stale: Iterable[int] = (), profile: Profile, cause: str) -> RecoveryDecision:
     """Every member redoes an abandoned step in the layout trained now (``reroute``: the
     rerouting in use, if any), as nobody failed since (a rank ran out of memory, say): no
-    search, and no state crosses the network."""
-    alive_set = set(alive)
-    holdings = {r: h for r, h in current.holdings().items() if r in alive_set}
-    decision = _kept(current, reroute, None, holdings, profile, alive_set)
+    search; state crosses the network only to ``stale`` members (they had not applied the
+    step the others resume after). Raises NoFreshCopy when one cannot be refreshed."""
+    alive_set, stale_set = set(alive), set(stale)
+    holdings = {r: h for r, h in current.holdings().items()
+                if r in alive_set and r not in stale_set}
+    decision = _kept(current, reroute, None, holdings, profile, alive_set, stale_set)
     record = {"cause": cause, "executed": "keep", "mode": decision.mode,
               "executed_reason": f"{cause}: every rank redoes the step in the same layout",
               "fallback": None, "layout_before": current.describe(),
@@ -276,10 +289,11 @@ def keep_layout(current: Plan, reroute: ReroutePlan | None, *, alive: Sequence[i
 
 
 def _kept(current: Plan, rp: ReroutePlan | None, t_step_s: float | None, holdings: Holdings,
-          profile: Profile, alive: set[int]) -> RecoveryDecision:
-    """Keep ``current``; the survivors keep their stages (copied into the plan runtime).
-    Without dead ranks (new members were offered, but keeping the layout scores better)
-    the plan runs as it did: a megatron layout natively, a heterogeneous one as a plan."""
+          profile: Profile, alive: set[int], stale: set[int]) -> RecoveryDecision:
+    """Keep ``current``; the survivors keep their stages (copied into the plan runtime; a
+    stale one's from a fresh peer). Without dead ranks (new members were offered, but
+    keeping the layout scores better) the plan runs as it did: a megatron layout natively,
+    a heterogeneous one as a plan."""
     dead = set(rp.stopped_ranks) if rp is not None else set()
     mode: Mode = "reroute"
     active = tuple(r for r in stage_major_order(current) if r not in dead)
@@ -291,11 +305,17 @@ def _kept(current: Plan, rp: ReroutePlan | None, t_step_s: float | None, holding
     plan_groups = mode != "megatron"
     return RecoveryDecision(
         mode=mode, plan=current, active=active, spares=tuple(sorted(alive - set(active))),
-        transfers=kept_in_place(current, dead), fallback=None,
+        transfers=kept_in_place(current, dead, stale, partial(_unit_bytes, profile)),
+        fallback=None,
         estimated_step_s=t_step_s, reroute=rp if mode == "reroute" else None,
         sync_groups=allreduce_groups(current, profile) if plan_groups else (),
         sync_rounds=allreduce_rounds(current, profile) if plan_groups else (),
         rng_donor=rng_donors(current, holdings))
+
+
+def _unit_bytes(profile: Profile, unit: StateUnit, kind: str) -> float:
+    cost = unit_cost(profile, unit)
+    return cost.param_bytes if kind == "params" else cost.optimizer_bytes
 
 
 def _is_megatron(plan: Plan) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
-from chameleon_megatron.resilience.decision.layout import Plan
+from chameleon_megatron.resilience.decision.layout import Plan, StateUnit
 from chameleon_megatron.resilience.decision.restorer import Transfer
 
 
@@ -52,14 +52,37 @@ def stage_major_order(plan: Plan) -> tuple[int, ...]:
     return tuple(rank for *_, rank in slots)
 
 
-def kept_in_place(plan: Plan, dead: Iterable[int]) -> tuple[Transfer, ...]:
-    """Rerouting's transition as a restorer transfer list: every survivor copies the units
-    it holds from its old model into its runtime's (source = destination: nothing crosses
-    the network; ``transfer.migrate`` does the copies and the votes)."""
-    gone = set(dead)
-    return tuple(Transfer(r, r, u, kind, 0.0)
-                 for r, (_, units) in sorted(plan.holdings().items()) if r not in gone
-                 for u in units for kind in ("params", "optimizer"))
+class NoFreshCopy(ValueError):
+    """A stale survivor keeps a unit that no fresh survivor holds: the layout cannot be
+    kept as it is."""
+
+
+def kept_in_place(plan: Plan, dead: Iterable[int], stale: Iterable[int] = (),
+                  bytes_of: Callable[[StateUnit, str], float] = lambda unit, kind: 0.0,
+                  ) -> tuple[Transfer, ...]:
+    """Keeping ``plan`` (rerouting, or redoing a step) as a restorer transfer list: every
+    survivor copies the units it holds from its old model into its runtime's (source =
+    destination: nothing crosses the network), except a ``stale`` one (behind the step the
+    job resumes from: it did not apply the last step), which receives each of its units from
+    the lowest fresh holder at its TP index (``bytes_of(unit, kind)`` bytes). Raises
+    NoFreshCopy when there is none."""
+    gone, behind = set(dead), set(stale)
+    held = sorted((r, i, units) for r, (i, units) in plan.holdings().items() if r not in gone)
+    fresh: dict[tuple[StateUnit, int], int] = {}
+    for r, i, units in held:
+        for u in units:
+            if r not in behind:
+                fresh.setdefault((u, i), r)
+    out = []
+    for r, i, units in held:
+        for u in units:
+            src = fresh.get((u, i)) if r in behind else r
+            if src is None:
+                raise NoFreshCopy(f"stale rank {r} keeps unit {u!r} (TP index {i}), which no "
+                                  "fresh survivor holds")
+            out += [Transfer(src, r, u, kind, 0.0 if src == r else bytes_of(u, kind))
+                    for kind in ("params", "optimizer")]
+    return tuple(out)
 
 
 def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:

@@ -23,6 +23,7 @@ rebuild, transfers) happen here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -46,7 +47,7 @@ from chameleon_megatron.resilience.decision.center import (
 from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.decision.placement import plan_refusal
+from chameleon_megatron.resilience.decision.placement import NoFreshCopy, plan_refusal
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.engine import PlanEngine
@@ -562,10 +563,13 @@ class RecoveryController:
                                       history=self.feedback.observations(),
                                       swap_bandwidth_Bps=self.swap_bandwidth_Bps)
             new_failures = membership.failed - self.known_failed
+            decision = None
             if self._cause not in ("failure", "join", "replan") and not new_failures:
-                decision = keep_layout(self.plan, self.reroute, alive=membership.members,
-                                       profile=profile, cause=self._cause)
-            else:
+                with contextlib.suppress(NoFreshCopy):  # then the center re-plans
+                    decision = keep_layout(self.plan, self.reroute, alive=membership.members,
+                                           stale=agreed.stale, profile=profile,
+                                           cause=self._cause)
+            if decision is None:
                 decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
                                   profile=profile, d_s=self._expected_time_to_failure(),
                                   strategy=self.ft.strategy,

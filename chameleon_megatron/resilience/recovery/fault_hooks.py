@@ -22,13 +22,15 @@ def torch_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
 
 def install_fault_hooks(injector: FaultInjector, model: list[torch.nn.Module], optimizer: Any,
                         iteration: Callable[[], int]) -> Callable[[], None]:
-    """Call ``injector.check`` at the forward, backward and optimizer phases of each step.
+    """Call ``injector.check`` at the forward, backward, grads and optimizer phases of each
+    step.
 
     forward: a forward pre-hook on each model chunk; backward: a gradient hook on one
     parameter per chunk (fires while backward runs, without wrapping the chunk's outputs,
-    which megatron's schedules free in place); optimizer: a step pre-hook on each torch
-    optimizer inside ``optimizer``. ``iteration()`` gives the step being computed.
-    Returns a function that removes the hooks.
+    which megatron's schedules free in place); grads: as megatron's optimizer starts its step
+    (``prepare_grads``: the gradients are all-reduced, the norm's all-reduce follows);
+    optimizer: a step pre-hook on each torch optimizer inside ``optimizer``. ``iteration()``
+    gives the step being computed. Returns a function that removes the hooks.
     """
     handles = []
     for chunk in model:
@@ -41,8 +43,16 @@ def install_fault_hooks(injector: FaultInjector, model: list[torch.nn.Module], o
     for opt in torch_optimizers(optimizer):
         handles.append(opt.register_step_pre_hook(
             lambda *_: injector.check(iteration(), "optimizer")))
+    prepare = getattr(optimizer, "prepare_grads", None)
+    if prepare is not None:  # an instance attribute over megatron's method, removed below
+        def prepare_grads(*args: Any, **kwargs: Any) -> Any:
+            injector.check(iteration(), "grads")
+            return prepare(*args, **kwargs)
+        optimizer.prepare_grads = prepare_grads
 
     def remove() -> None:
         for h in handles:
             h.remove()
+        if prepare is not None:
+            del optimizer.prepare_grads
     return remove

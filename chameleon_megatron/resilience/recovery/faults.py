@@ -1,14 +1,17 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
 A fault is written
-``rank=R,iteration=I,phase=forward|backward|optimizer|recovery|eval|save,kind=exit|hang|exception|oom``
+``rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save,kind=...``
+(``kind=exit|hang|exception|oom``)
 or ``...,kind=slow,seconds=S`` (the ``--chameleon-inject-fault`` syntax, repeatable) or built
 with ``FaultInjector.fail_at``.
 
 * ``rank`` is the rank the launcher gave the process at start: it names a process, so it
   stays meaningful after a recovery has renumbered the survivors.
 * ``iteration`` is the 1-based number of the training step (the number the trainer logs).
-* ``phase``: forward, backward, optimizer fire inside that step (``fault_hooks``); recovery
+* ``phase``: forward, backward, grads, optimizer fire inside that step (``fault_hooks``;
+  grads: after the gradient all-reduce, before the optimizer's norm, so peers outside this
+  rank's model-parallel group apply the step while those in it cannot); recovery
   fires inside the recovery that will redo step I, after the survivors' new groups are built
   and before any state moves (a failure during recovery; the recovery controller calls it);
   eval and save fire as the evaluation or the checkpoint after step I starts (its peers are
@@ -31,14 +34,14 @@ from typing import Iterable, Literal, get_args
 
 logger = logging.getLogger(__name__)
 
-Phase = Literal["forward", "backward", "optimizer", "recovery", "eval", "save"]
+Phase = Literal["forward", "backward", "grads", "optimizer", "recovery", "eval", "save"]
 FaultKind = Literal["exit", "hang", "exception", "oom", "slow"]
 PHASES: tuple[str, ...] = get_args(Phase)
 KINDS: tuple[str, ...] = get_args(FaultKind)
 INJECTED_EXIT_CODE = 43
 """Exit status of a process ended by an injected ``exit`` fault."""
 
-_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|optimizer|recovery|eval|save,"
+_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save,"
            "kind=exit|hang|exception|oom|slow[,seconds=S]")
 
 

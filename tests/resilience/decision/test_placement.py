@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dc_helpers import make_profile  # noqa: E402
 
 from chameleon_megatron.resilience.decision.placement import (  # noqa: E402
-    Slot, check_plan_runtime, kept_in_place, microbatch_ids, slot_of,
+    NoFreshCopy, Slot, check_plan_runtime, kept_in_place, microbatch_ids, slot_of,
     stage_major_order,
 )
 from chameleon_megatron.resilience.execution.grad_sync import sync_spec  # noqa: E402
@@ -133,6 +133,20 @@ def test_dead_ranks_leave_the_groups_and_lone_copies_need_no_sync() -> None:
     assert [[g.ranks for g in rnd] for rnd in spec.rounds] == [[(0, 1)]]
     assert spec.tied == ((0, 1, 2),)
     assert spec.owners[(OUTPUT, 0)] == 2 and spec.owners[(EMBEDDING, 0)] == 0
+
+
+def test_a_stale_survivor_of_a_kept_layout_gets_its_units_from_a_fresh_peer() -> None:
+    """Rank 1 had not applied the last step (it talked to the dead rank 3): it keeps its
+    stage, but not its state: each of its units comes from rank 0, which holds them."""
+    moves = kept_in_place(UNIFORM, dead=[3], stale=[1],
+                          bytes_of=lambda unit, kind: 10.0 if kind == "params" else 20.0)
+    by_dst = {(t.dst, t.layer, t.kind): (t.src, t.bytes) for t in moves}
+    assert len(by_dst) == len(moves) == 3 * 3 * 2
+    for u in (0, 1, EMBEDDING):
+        assert by_dst[(1, u, "params")] == (0, 10.0) and by_dst[(1, u, "optimizer")] == (0, 20.0)
+        assert by_dst[(0, u, "params")] == (0, 0.0)
+    with pytest.raises(NoFreshCopy, match="stale rank 2 keeps unit 2"):
+        kept_in_place(UNIFORM, dead=[3], stale=[2])
 
 
 def test_rerouting_keeps_every_survivors_state_in_place() -> None:

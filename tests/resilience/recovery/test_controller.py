@@ -26,9 +26,10 @@ from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage,
 from chameleon_megatron.resilience.decision.perf_model import plan_step
 from chameleon_megatron.resilience.recovery.plugin import check_recoverable
 from chameleon_megatron.resilience.decision.center import (
-    NoRecoveryPlan, RecoveryDecision, decide, recovery_units, rng_donors, uniform_plan,
-    world_order,
+    NoRecoveryPlan, RecoveryDecision, decide, keep_layout, recovery_units, rng_donors,
+    uniform_plan, world_order,
 )
+from chameleon_megatron.resilience.decision.placement import NoFreshCopy
 from chameleon_megatron.resilience.recovery.regroup import wait_as_spare
 from chameleon_megatron.resilience.decision.restorer import Transfer
 from chameleon_megatron.resilience.recovery.live_profile import CPU_GLOO, check_profile, runtime_profile
@@ -140,6 +141,26 @@ def test_when_rerouting_wins_the_score_the_kept_layout_reroutes() -> None:
     assert [g.ranks for g in d.sync_groups] == [(0, 1), (2, 3)]
     with pytest.raises(ValueError, match="no megatron layout"):
         d.layout
+
+
+def test_a_kept_layout_refreshes_a_stale_member_from_a_fresh_one() -> None:
+    """Rank 3 died in its optimizer step: its pipeline peer 1 never finished the step (the
+    norm all-reduce met the dead rank) while 0 and 2 applied it. Keeping the layout, rank 1
+    must not train on from its old weights: it receives stage 0 from rank 0. With stage 1's
+    only fresh holder stale too, the layout cannot be kept: the re-plan falls back to the
+    checkpoint (stage 1 has no copy at the step the job resumes from)."""
+    d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=REROUTE_WINS, d_s=100.0)
+    assert d.record["choice"] == d.record["executed"] == "reroute"
+    sources = {(t.dst, t.layer, t.kind): t.src for t in d.transfers}
+    assert {sources[(1, u, k)] for u in (0, 1, "embedding") for k in ("params", "optimizer")} \
+        == {0}
+    assert d.record["transfers"] == 6 and d.record["bytes_planned"] > 0
+    lost = decide(DP2_PP2, alive=[0, 1, 2], stale=[2], profile=REROUTE_WINS, d_s=100.0)
+    assert lost.record["choice"] == "reroute" and lost.record["executed"] == "replan"
+    assert lost.fallback == "checkpoint" and lost.record["lost"] == [2, 3, "output"]
+    with pytest.raises(NoFreshCopy):
+        keep_layout(DP2_PP2, None, alive=[0, 1, 2, 3], stale=[2, 3], profile=REROUTE_WINS,
+                    cause="timeout")
 
 
 def test_at_tp2_rerouting_leaves_the_dead_ranks_partner_a_spare() -> None:

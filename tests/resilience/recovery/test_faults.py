@@ -64,10 +64,25 @@ def test_injector_fires_only_its_own_rank_once_at_the_planned_step_and_phase() -
     injector.check(3, "backward")  # fired already: a redone step does not fail again
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+class _MegatronLike:
+    """megatron's optimizer as the hooks see it: ``step`` starts with ``prepare_grads`` (the
+    gradients are all-reduced by then), then the norm, then the torch optimizer's step."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer = inner
+
+    def prepare_grads(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        self.prepare_grads()
+        self.optimizer.step()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "grads", "optimizer"])
 def test_hooks_fire_in_the_planned_phase_of_the_planned_iteration(phase: str) -> None:
     model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = _MegatronLike(torch.optim.AdamW(model.parameters()))
     injector = FaultInjector(0).fail_at(0, iteration=2, phase=phase, kind="exception")
     iteration = 0
     reached = []
@@ -88,7 +103,8 @@ def test_hooks_fire_in_the_planned_phase_of_the_planned_iteration(phase: str) ->
     weight = model.weight.detach().clone()
     with pytest.raises(InjectedFault):
         step()
-    before = {"forward": [], "backward": ["forward"], "optimizer": ["forward", "backward"]}
+    before = {"forward": [], "backward": ["forward"], "grads": ["forward", "backward"],
+              "optimizer": ["forward", "backward"]}
     assert reached == before[phase]
     assert torch.equal(model.weight, weight), "the faulty step must not update the weights"
     remove()

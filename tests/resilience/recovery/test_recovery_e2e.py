@@ -106,6 +106,25 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
     assert_same_state(combine([ref_dump]), combine([dumps[r] for r in range(4)]))
 
 
+def test_a_kept_layout_refreshes_the_survivor_that_missed_the_last_step(
+        reference, tmp_path: Path) -> None:
+    """DP2 x PP2, pipelines (0, 2) and (1, 3). Rank 3 dies after step 3's gradient
+    all-reduce, before the optimizer's norm: 0 and 2 apply step 3, its pipeline peer 1
+    cannot (the norm's all-reduce meets the dead rank). Rerouting keeps the layout: rank 1
+    keeps its stage but receives the state of step 3 from rank 0 (with its own, stale by a
+    step, step 4's loss is 4.8e-3 off)."""
+    ref_losses, ref_dump = reference
+    recs, dumps, log = launch_four(tmp_path, "rank=3,iteration=3,phase=grads,kind=exit",
+                                   extra=("--chameleon-ft-strategy", "reroute"))
+    # step 3 is kept, not redone (its record is lost with the step's end)
+    assert assert_losses_match(recs, ref_losses) == [1, 2, *range(4, ITERS + 1)], log[-4000:]
+    (rec,) = [r for r in recs if r["event"] == "recovery"]
+    assert (rec["failed_ranks"], rec["redo_iteration"]) == ([3], 4), rec
+    assert rec["decision"]["executed"] == "reroute" and rec["decision"]["stale"] == [1]
+    assert rec["decision"]["transfers"] == 6 and rec["migrated_bytes"] > 0, rec["decision"]
+    assert_same_state(combine([ref_dump]), combine([{**dumps[r], "dp_rank": 0} for r in (1, 2)]))
+
+
 def test_a_slow_rank_is_not_a_failed_one(reference, tmp_path: Path) -> None:
     """DP2: rank 1 stops 6 s in step 3, longer than the group timeout (4 s) and shorter
     than its heartbeat (8 s), by 2 s each way. Rank 0's all-reduce times out with nothing
