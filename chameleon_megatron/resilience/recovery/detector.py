@@ -139,6 +139,10 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+PULSE_S = 1.0
+"""The least time between two beats from inside a step (one store write each)."""
+
+
 class FailureDetector:
     """The worker side of detection: beats, derives timeouts, reads announcements."""
 
@@ -153,14 +157,29 @@ class FailureDetector:
         self.seen = 0
         """Failure announcements already handled."""
         self.seen_abandons = 0
+        self._held_until = 0.0
+        """Monotonic time up to which the last ``hold`` allows silence."""
+        self._last_pulse = 0.0
 
     def beat(self, iteration: int | None = None) -> None:
+        self._held_until = 0.0
         self._heartbeat.beat(self.timeouts.heartbeat_s, iteration)
 
     def hold(self, seconds: float) -> None:
         """Beat, allowing ``seconds`` of silence: before work that cannot beat (a checkpoint,
         a model rebuild, a recovery's blocking waits)."""
+        self._held_until = time.monotonic() + seconds
         self._heartbeat.beat(max(seconds, self.timeouts.heartbeat_s))
+
+    def pulse(self) -> None:
+        """Beat from inside a step (each forward pass), at most once per ``PULSE_S``: a step
+        that a loaded machine slows down past the heartbeat stays alive, a hung one stops
+        pulsing. A hold in force is kept (its work may still block without beating)."""
+        now = time.monotonic()
+        if now - self._last_pulse < PULSE_S:
+            return
+        self._last_pulse = now
+        self._heartbeat.beat(max(self.timeouts.heartbeat_s, self._held_until - now))
 
     @property
     def typical_step_time(self) -> float | None:

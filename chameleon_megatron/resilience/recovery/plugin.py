@@ -96,8 +96,16 @@ class ResiliencePlugin(TrainerPlugin):
         if self.controller is None:
             self.controller = self._start(ctx)
         self._remove_hooks()
-        self._remove_hooks = install_fault_hooks(self.controller.injector, ctx.model,
-                                                 ctx.extra["optimizer"], lambda: self._iteration)
+        remove_faults = install_fault_hooks(self.controller.injector, ctx.model,
+                                            ctx.extra["optimizer"], lambda: self._iteration)
+        pulse = self.controller.detector.pulse
+        pulses = [chunk.register_forward_pre_hook(lambda *_: pulse()) for chunk in ctx.model]
+
+        def remove() -> None:
+            remove_faults()
+            for handle in pulses:
+                handle.remove()
+        self._remove_hooks = remove
 
     def _start(self, ctx: TrainContext) -> RecoveryController:
         check_recoverable(ctx, self.ft)

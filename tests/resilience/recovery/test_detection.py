@@ -19,7 +19,7 @@ from chameleon_megatron.resilience.store.announce import (
 )
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.detector import (
-    AbortWatcher, StepTimer, derive_timeouts, is_communication_error,
+    AbortWatcher, FailureDetector, StepTimer, derive_timeouts, is_communication_error,
 )
 from chameleon_megatron.resilience.recovery.faults import InjectedFault
 from chameleon_megatron.resilience.store.heartbeat import Beat, Heartbeat, overdue, read_beats
@@ -77,6 +77,38 @@ def test_heartbeats_round_trip_through_the_store() -> None:
     Heartbeat(j, 3).beat(timeout_s=7.5, iteration=12)
     beats = read_beats(j, [2, 3])
     assert list(beats) == [3] and (beats[3].timeout_s, beats[3].iteration) == (7.5, 12)
+
+
+def test_a_step_pulses_at_most_once_a_second_and_keeps_a_hold(monkeypatch) -> None:
+    """Forward passes beat (a slowed step is alive), rate-limited; a pulse inside work under
+    a hold (an evaluation before a checkpoint) keeps the hold's deadline."""
+    import chameleon_megatron.resilience.recovery.detector as detector_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(detector_module.time, "monotonic", lambda: clock[0])
+    j = job()
+    detector = FailureDetector(j, 0, ResilienceConfig(startup_timeout_s=30))
+    detector.timeouts = derive_timeouts(1.0, detector._ft)  # heartbeat 2 x 5 s floor
+
+    def last() -> float:
+        return read_beats(j, [0])[0].time
+    detector.pulse()
+    first = last()
+    clock[0] += 0.5
+    detector.pulse()
+    assert last() == first  # within a second: no store write
+    clock[0] += 0.6
+    time.sleep(0.01)  # the beat's own (wall) time moves on
+    detector.pulse()
+    assert last() > first and read_beats(j, [0])[0].timeout_s == 10.0
+    detector.hold(100.0)
+    clock[0] += 30.0
+    detector.pulse()
+    assert read_beats(j, [0])[0].timeout_s == pytest.approx(70.0)
+    detector.beat()  # a step's end: the hold is over
+    clock[0] += 1.0
+    detector.pulse()
+    assert read_beats(j, [0])[0].timeout_s == 10.0
 
 
 def test_each_rank_is_announced_once_in_one_order() -> None:
