@@ -21,6 +21,7 @@ step is the most telling). Ratios are to case 1 in the same run.
 
     python scripts/bench_hetero.py
     python scripts/bench_hetero.py --layers 8 --hidden 256 --seq 256 --gbs 16 --steps 6
+    python scripts/bench_hetero.py --overlap-grad-reduce   # the same, reduces overlapped
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def trainer_args(a: argparse.Namespace):
         "--make-vocab-size-divisible-by", "128", "--mock-data", "--micro-batch-size", "1",
         "--global-batch-size", str(a.gbs), "--train-iters", str(a.steps + 1),
         "--pipeline-model-parallel-size", "2", "--hidden-dropout", "0",
-        "--attention-dropout", "0"])
+        "--attention-dropout", "0",
+        *(["--overlap-grad-reduce"] if a.overlap_grad_reduce else [])])
     validate_args(args, 4)
     return args
 
@@ -199,6 +201,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--gbs", type=int, default=16, help="global batch (microbatches of 1)")
     p.add_argument("--steps", type=int, default=6, help="measured steps after one warm-up")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="every case reduces gradients during the last backward pass")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker is not None:

@@ -6,6 +6,7 @@ it joins the plan's world; the plan's ranks start from its initial weights.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import sys
@@ -95,6 +96,8 @@ class Scenario:
     """step(runtime, batches) -> StepResult"""
     reroute: Any = None
     """The ReroutePlan of ``plan``, if its dead ranks' work is rerouted."""
+    overlap: bool = False
+    """--overlap-grad-reduce: each group's all-reduce starts during the last backward."""
     trainer_steps: int = 0
     """Steps the trainer runs first on ``plan`` (a uniform layout, all ranks alive); then
     the dead ranks leave and the survivors switch to the plan runtime with their own state
@@ -139,7 +142,8 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
                                 rank=live.index(me), world_size=len(live),
                                 timeout=datetime.timedelta(seconds=60))
         rt = build_runtime(
-            args, sc.plan, me, sync_groups=allreduce_groups(sc.plan, profile),
+            argparse.Namespace(**{**vars(args), "overlap_grad_reduce": sc.overlap}), sc.plan,
+            me, sync_groups=allreduce_groups(sc.plan, profile),
             sync_rounds=allreduce_rounds(sc.plan, profile),
             world={r: k for k, r in enumerate(live)}, reroute=sc.reroute, timeout_s=60)
         scheduler = build_scheduler(args, rt.optimizer)
@@ -157,6 +161,7 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
             rec["loss"].append(result.loss)
             rec["grad_norm"].append(result.grad_norm)
             rec["rounds"].append(list(rt.sync.performed))
+            rec.setdefault("early", []).append(rt.sync.early)
             if it == 0:
                 rec["grads"] = unit_tensors([rt.model], lambda p: p.main_grad)
         rec["params"] = unit_tensors([rt.model], lambda p: p)

@@ -9,6 +9,14 @@ embedding's copies (first and last stages) are summed in one more group. Then ev
 gradient is divided once by the global token count: the loss of a step is the sum of
 per-token losses over the whole batch divided once, whichever rank computed each sample.
 
+With ``overlap`` (``--overlap-grad-reduce``), a group's all-reduce starts during the step's
+last backward pass, as soon as every one of its parameters has its final gradient (a hook
+after megatron DDP's accumulation into the main gradient), instead of after the backward.
+Every rank starts its groups in one global order (later layers first, the order backward
+finishes them), whatever its own order of readiness, so that no two ranks wait on each
+other's groups (NCCL runs a rank's collectives one after another); the token count and the
+tied copies follow all of them. The sums are those of the synchronous sync, bit for bit.
+
 The gradient norm for clipping is computed so that every rank gets the same bits: each
 unit's squared norm comes from one owner, the vector is summed over the world (one non-zero
 term per entry, so exact) and reduced in the same order everywhere.
@@ -16,10 +24,11 @@ term per entry, so exact) and reduced in the same order everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +102,11 @@ def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Seq
     )
 
 
+def _position(unit: StateUnit) -> float:
+    """Where a unit runs in the forward pass (the backward pass finishes them in reverse)."""
+    return -1 if unit == EMBEDDING else math.inf if unit == OUTPUT else unit
+
+
 def reduction_device() -> torch.device:
     """Where small global sums live: NCCL reduces device tensors only."""
     if torch.cuda.is_available():
@@ -107,36 +121,110 @@ class GradSync:
 
     ``rounds``: per round, this rank's group and its handle, or None; ``tied``: the handle
     of the tied-embedding group, if this rank holds a copy. Global reductions use the
-    default group, which must be the plan's live ranks.
+    default group, which must be the plan's live ranks. ``overlap``: start each group's
+    all-reduce during the last backward pass (the schedule runs the other microbatches'
+    backward passes under ``no_sync``; call ``reset`` before each step).
     """
 
     def __init__(self, model: torch.nn.Module, spec: SyncSpec, me: int,
                  rounds: Sequence[tuple[AllReduceGroup, dist.ProcessGroup] | None],
-                 tied: dist.ProcessGroup | None, tp_index: int = 0) -> None:
+                 tied: dist.ProcessGroup | None, tp_index: int = 0,
+                 overlap: bool = False) -> None:
         self.model, self.spec, self.me, self.tp_index = model, spec, me, tp_index
-        self._rounds, self._tied_group = list(rounds), tied
+        self._tied_group = tied
         self._units = unit_parameters([model])
         shared = getattr(model, "share_embeddings_and_output_weights", False)
         self._tied = (model.shared_embedding_or_output_weight()
                       if shared and (model.pre_process or model.post_process) else None)
+        mine = [(k, g, h) for k, m in enumerate(rounds) if m is not None for g, h in [m]]
+        self._order = sorted(mine, key=lambda x: (-max(map(_position, x[1].layers)), x[0]))
+        """This rank's groups as (round, group, handle), in the order all ranks start them."""
+        self._launched: list[tuple[int, tuple[int, ...], dist.Work | None, torch.Tensor,
+                                   list[torch.Tensor]]] = []
+        self._waiting: list[set[torch.nn.Parameter]] = []
+        self._final = True
+        """Whether the backward pass running now is the step's last (see ``no_sync``)."""
+        self._hooks = self._hook_accumulation() if overlap else []
+        self.reset()
         self.performed: list[tuple[int, tuple[int, ...]]] = []
         """(round, plan ranks of the group) of each all-reduce of the last call."""
+        self.early = 0
+        """How many of them started during the backward pass (``overlap``)."""
+
+    def reset(self) -> None:
+        """Before a step: no all-reduce started, every parameter waits for its gradient."""
+        self._launched = []
+        self._waiting = [set(self._params_of(g.layers)) for _, g, _ in self._order]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes whose gradients are not yet the step's (megatron's schedules
+        enter this for every microbatch but the last, as ``config.no_sync_func``)."""
+        self._final = False
+        try:
+            yield
+        finally:
+            self._final = True
+
+    def _hook_accumulation(self) -> list[Any]:
+        """A hook after DDP's on each parameter's gradient accumulator (hooks run in the
+        order they were added: DDP's has added the gradient to ``main_grad``)."""
+        hooks = []
+        for k, (_, group, _) in enumerate(self._order):
+            for p in self._params_of(group.layers):
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                hooks.append((accumulator,  # kept alive, or the hook goes with it
+                              accumulator.register_hook(self._ready_hook(k, p))))
+        return hooks
+
+    def _ready_hook(self, k: int, param: torch.nn.Parameter) -> Any:
+        def hook(*_: Any) -> None:
+            if self._final:
+                self._waiting[k].discard(param)
+                self._start(until_waiting=True)
+        return hook
+
+    def _start(self, until_waiting: bool, count: int | None = None) -> None:
+        """Start the next groups in order: those ready (``until_waiting``), or all (at most
+        ``count``)."""
+        end = len(self._order) if count is None else min(len(self._order),
+                                                         len(self._launched) + count)
+        while len(self._launched) < end:
+            k = len(self._launched)
+            if until_waiting and self._waiting[k]:
+                return
+            rnd, group, handle = self._order[k]
+            grads = [p.main_grad for p in self._params_of(group.layers)]
+            flat = _flatten_dense_tensors(grads)  # zeros on a holder that saw no microbatch
+            work = dist.all_reduce(flat, group=handle, async_op=True)
+            self._launched.append((rnd, group.ranks, work, flat, grads))
+
+    @staticmethod
+    def _finish(entry: tuple) -> None:
+        *_, work, flat, grads = entry
+        work.wait()
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
 
     def __call__(self, model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None,
                  **_: Any) -> None:
         """Sum each unit's gradients over its holders, then divide by the global tokens."""
         if num_tokens is None:
             raise ValueError("plans need calculate_per_token_loss=True (got no token count)")
+        self.early = len(self._launched)
+        if self._hooks:  # the groups not started during the backward, then wait for all
+            self._start(until_waiting=False)
+            for entry in self._launched:
+                self._finish(entry)
+        while len(self._launched) < len(self._order):  # one at a time: one flat copy alive
+            self._start(until_waiting=False, count=1)
+            self._finish(self._launched[-1])
+        self.performed = sorted((rnd, ranks) for rnd, ranks, *_ in self._launched)
+        self.reset()
         tokens = num_tokens.detach().to(reduction_device(), torch.float64).reshape(1)
         if self.tp_index:  # every rank of a TP group saw the same tokens: count them once
             tokens.zero_()
         dist.all_reduce(tokens)
-        self.performed = []
-        for k, mine in enumerate(self._rounds):
-            if mine is not None:
-                group, handle = mine
-                self._all_reduce(self._params_of(group.layers), handle)
-                self.performed.append((k, group.ranks))
         if self._tied_group is not None:
             self._all_reduce([self._tied], self._tied_group)
         scale = 1.0 / tokens.item()

@@ -46,11 +46,12 @@ def reroute_train(rt: PlanRuntime, batches: Batches) -> Applied:
     ops = rerouted_ops(rt)
     zero_grads(rt)
     runner = _Runner(rt, batches)
-    for op in ops:
-        if op.kind == "F":
-            runner.forward(op)
-        else:
-            runner.backward(op)
+    last = max(k for k, op in enumerate(ops) if op.kind == "B")
+    with rt.sync.no_sync():  # gradients are final in the last backward only
+        for op in ops[:last]:
+            runner.run(op)
+    for op in ops[last:]:
+        runner.run(op)
     runner.drain()
     rt.sync([rt.gpt], torch.tensor(runner.tokens))
     return apply_update(rt, runner.reports)
@@ -86,6 +87,12 @@ class _Runner:
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.reports: list[dict] = []
         self.tokens = 0
+
+    def run(self, op: Op) -> None:
+        if op.kind == "F":
+            self.forward(op)
+        else:
+            self.backward(op)
 
     def forward(self, op: Op, *, keep: bool = True) -> None:
         x = self._recv(op.recv, requires_grad=keep)

@@ -122,8 +122,9 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
                                timeout_s=timeout_s)
     model, optimizer = build_stage_model(args, plan, groups.slot, groups.solo, groups.tp)
     sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied,
-                    tp_index=groups.slot.tp_index)
+                    tp_index=groups.slot.tp_index, overlap=args.overlap_grad_reduce)
     model.config.finalize_model_grads_func = sync
+    model.config.no_sync_func = sync.no_sync if args.overlap_grad_reduce else None
     model.config.grad_scale_func = None
     depth = plan.pipelines[groups.slot.pipeline].depth
     p2p = (plan_seams.p2p_communicator(groups.pipeline, model.config)
@@ -172,6 +173,7 @@ def zero_grads(rt: PlanRuntime) -> None:
     """Clear the main-gradient buffers before a step, as the trainer does."""
     rt.model.zero_grad_buffer()
     rt.optimizer.zero_grad()
+    rt.sync.reset()
 
 
 def apply_update(rt: PlanRuntime, reports: list[dict]) -> Applied:

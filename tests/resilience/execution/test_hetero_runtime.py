@@ -36,15 +36,22 @@ def make_plan():
     ))
 
 
-def test_unequal_shares_match_the_failure_free_run(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One job: the reference, the plan, the plan with the overlapped reduce."""
+    out = tmp_path_factory.mktemp("hetero")
+    launch(__file__, 6, out, timeout_s=170)
+    return out
+
+
+def test_unequal_shares_match_the_failure_free_run(runs: Path) -> None:
     import torch
 
     from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
     from dc_helpers import make_profile
 
-    launch(__file__, 6, tmp_path, timeout_s=170)
-    want = torch.load(tmp_path / "reference.pt")
-    ranks = {r: torch.load(tmp_path / "hetero" / f"rank{r}.pt") for r in range(6)}
+    want = torch.load(runs / "reference.pt")
+    ranks = {r: torch.load(runs / "hetero" / f"rank{r}.pt") for r in range(6)}
     for r, got in ranks.items():
         for w, g in zip(want["loss"], got["loss"]):
             assert abs(g - w) <= TOL * abs(w), (r, want["loss"], got["loss"])
@@ -64,10 +71,30 @@ def test_unequal_shares_match_the_failure_free_run(tmp_path: Path) -> None:
         assert got["rounds"] == [expected] * 2, (r, got["rounds"], expected)
 
 
+def test_an_overlapped_reduce_computes_the_same_bits(runs: Path) -> None:
+    """--overlap-grad-reduce: each group's all-reduce starts in the last backward pass, as
+    soon as its gradients are final (on every rank, some before the backward ends); the sums
+    are the same as after the backward, bit for bit."""
+    import torch
+
+    for r in range(6):
+        sync, overlap = (torch.load(runs / name / f"rank{r}.pt")
+                         for name in ("hetero", "overlap"))
+        assert sync["early"] == [0, 0] and all(n >= 1 for n in overlap["early"]), (
+            r, overlap["early"])
+        assert overlap["loss"] == sync["loss"] and overlap["grad_norm"] == sync["grad_norm"]
+        assert overlap["rounds"] == sync["rounds"], r
+        for what in ("grads", "params"):
+            for unit, tensors in sync[what].items():
+                for name, want in tensors.items():
+                    assert torch.equal(overlap[what][unit][name], want), (r, what, unit, name)
+
+
 def scenarios() -> list[Scenario]:
     from chameleon_megatron.resilience.execution.runtime import run_hetero_step
 
-    return [Scenario("hetero", make_plan(), run_hetero_step)]
+    return [Scenario("hetero", make_plan(), run_hetero_step),
+            Scenario("overlap", make_plan(), run_hetero_step, overlap=True)]
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ same-stage peer:
   to rank 3; the world renumbers the survivors 0, 2, 3 as 0, 1, 2.
 
 After two steps the losses, gradient norms, gradients, parameters and Adam state match the
-trainer in one process over the same 10 microbatches.
+trainer in one process over the same 10 microbatches. With --overlap-grad-reduce (first
+stage dead) every number is the same, bit for bit, as without.
 
 Run as a script, this file is the worker program of the test (both cases in turn, in the
 same four processes).
@@ -52,8 +53,10 @@ def reroute_plan(dead: int):
 def scenarios() -> list[Scenario]:
     from chameleon_megatron.resilience.execution.rerouted import run_reroute_step
 
-    return [Scenario(name, make_plan(), run_reroute_step, reroute=reroute_plan(dead),
-                     trainer_steps=TRAINER_STEPS[name]) for name, dead in DEAD.items()]
+    return [*(Scenario(name, make_plan(), run_reroute_step, reroute=reroute_plan(dead),
+                       trainer_steps=TRAINER_STEPS[name]) for name, dead in DEAD.items()),
+            Scenario("overlap", make_plan(), run_reroute_step, reroute=reroute_plan(1),
+                     overlap=True)]
 
 
 def test_rerouted_microbatches_match_the_failure_free_run(tmp_path: Path) -> None:
@@ -77,6 +80,16 @@ def test_rerouted_microbatches_match_the_failure_free_run(tmp_path: Path) -> Non
             rerouted_steps = 2 - TRAINER_STEPS[name]
             expected = [[(0, pair)] if r in pair else []] * rerouted_steps
             assert got["rounds"] == expected, (name, r, got["rounds"])
+    # --overlap-grad-reduce: the group of ranks 2 and 3 starts in their last backward pass;
+    # the same bits as the synchronous reduce
+    for r in (0, 2, 3):
+        sync, overlap = (torch.load(tmp_path / name / f"rank{r}.pt")
+                         for name in ("first_stage_dead", "overlap"))
+        assert (overlap["loss"], overlap["grad_norm"]) == (sync["loss"], sync["grad_norm"])
+        assert overlap["early"] == ([1, 1] if r in (2, 3) else [0, 0]), (r, overlap["early"])
+        for unit, tensors in sync["params"].items():
+            for name, want_param in tensors.items():
+                assert torch.equal(overlap["params"][unit][name], want_param), (r, unit, name)
 
 
 if __name__ == "__main__":
