@@ -154,7 +154,8 @@ class GradSync:
     def reset(self) -> None:
         """Before a step: no all-reduce started, every parameter waits for its gradient."""
         self._launched = []
-        self._waiting = [set(self._params_of(g.layers)) for _, g, _ in self._order]
+        self._waiting = [{p for p in self._params_of(g.layers) if p.requires_grad}
+                         for _, g, _ in self._order]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -171,7 +172,7 @@ class GradSync:
         order they were added: DDP's has added the gradient to ``main_grad``)."""
         hooks = []
         for k, (_, group, _) in enumerate(self._order):
-            for p in self._params_of(group.layers):
+            for p in filter(lambda p: p.requires_grad, self._params_of(group.layers)):
                 accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
                 hooks.append((accumulator,  # kept alive, or the hook goes with it
                               accumulator.register_hook(self._ready_hook(k, p))))
