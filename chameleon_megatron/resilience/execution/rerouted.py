@@ -46,7 +46,7 @@ def reroute_train(rt: PlanRuntime, batches: Batches) -> Applied:
     ops = rerouted_ops(rt)
     zero_grads(rt)
     runner = _Runner(rt, batches)
-    last = max(k for k, op in enumerate(ops) if op.kind == "B")
+    last = max((k for k, op in enumerate(ops) if op.kind == "B"), default=len(ops))
     with rt.sync.no_sync():  # gradients are final in the last backward only
         for op in ops[:last]:
             runner.run(op)
