@@ -107,6 +107,21 @@ def _position(unit: StateUnit) -> float:
     return -1 if unit == EMBEDDING else math.inf if unit == OUTPUT else unit
 
 
+def _launch(params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> tuple:
+    """Start summing the parameters' main gradients over ``group``: (work, flat, grads)."""
+    grads = [p.main_grad for p in params]  # zeros on a holder that saw no microbatch
+    flat = _flatten_dense_tensors(grads)
+    return dist.all_reduce(flat, group=group, async_op=True), flat, grads
+
+
+def _finish(flight: tuple) -> None:
+    """Wait for a ``_launch`` and write the sums back."""
+    work, flat, grads = flight
+    work.wait()
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
 def reduction_device() -> torch.device:
     """Where small global sums live: NCCL reduces device tensors only."""
     if torch.cuda.is_available():
@@ -139,8 +154,8 @@ class GradSync:
         mine = [(k, g, h) for k, m in enumerate(rounds) if m is not None for g, h in [m]]
         self._order = sorted(mine, key=lambda x: (-max(map(_position, x[1].layers)), x[0]))
         """This rank's groups as (round, group, handle), in the order all ranks start them."""
-        self._launched: list[tuple[int, tuple[int, ...], dist.Work | None, torch.Tensor,
-                                   list[torch.Tensor]]] = []
+        self._launched: list[tuple[int, tuple[int, ...], tuple]] = []
+        """(round, plan ranks, ``_launch``'s flight) of each group started this step."""
         self._waiting: list[set[torch.nn.Parameter]] = []
         self._final = True
         """Whether the backward pass running now is the step's last (see ``no_sync``)."""
@@ -182,30 +197,15 @@ class GradSync:
         def hook(*_: Any) -> None:
             if self._final:
                 self._waiting[k].discard(param)
-                self._start(until_waiting=True)
+                while len(self._launched) < len(self._order) and \
+                        not self._waiting[len(self._launched)]:
+                    self._launch_next()
         return hook
 
-    def _start(self, until_waiting: bool, count: int | None = None) -> None:
-        """Start the next groups in order: those ready (``until_waiting``), or all (at most
-        ``count``)."""
-        end = len(self._order) if count is None else min(len(self._order),
-                                                         len(self._launched) + count)
-        while len(self._launched) < end:
-            k = len(self._launched)
-            if until_waiting and self._waiting[k]:
-                return
-            rnd, group, handle = self._order[k]
-            grads = [p.main_grad for p in self._params_of(group.layers)]
-            flat = _flatten_dense_tensors(grads)  # zeros on a holder that saw no microbatch
-            work = dist.all_reduce(flat, group=handle, async_op=True)
-            self._launched.append((rnd, group.ranks, work, flat, grads))
-
-    @staticmethod
-    def _finish(entry: tuple) -> None:
-        *_, work, flat, grads = entry
-        work.wait()
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+    def _launch_next(self) -> None:
+        """Start the next group's all-reduce in the global order."""
+        rnd, group, handle = self._order[len(self._launched)]
+        self._launched.append((rnd, group.ranks, _launch(self._params_of(group.layers), handle)))
 
     def __call__(self, model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None,
                  **_: Any) -> None:
@@ -213,13 +213,12 @@ class GradSync:
         if num_tokens is None:
             raise ValueError("plans need calculate_per_token_loss=True (got no token count)")
         self.early = len(self._launched)
-        if self._hooks:  # the groups not started during the backward, then wait for all
-            self._start(until_waiting=False)
-            for entry in self._launched:
-                self._finish(entry)
-        while len(self._launched) < len(self._order):  # one at a time: one flat copy alive
-            self._start(until_waiting=False, count=1)
-            self._finish(self._launched[-1])
+        while len(self._launched) < len(self._order):
+            self._launch_next()
+            if not self._hooks:  # one at a time: one flat copy alive
+                _finish(self._launched[-1][2])
+        for *_, flight in self._launched if self._hooks else ():
+            _finish(flight)
         self.performed = sorted((rnd, ranks) for rnd, ranks, *_ in self._launched)
         self.reset()
         tokens = num_tokens.detach().to(reduction_device(), torch.float64).reshape(1)
@@ -227,7 +226,7 @@ class GradSync:
             tokens.zero_()
         dist.all_reduce(tokens)
         if self._tied_group is not None:
-            self._all_reduce([self._tied], self._tied_group)
+            _finish(_launch([self._tied], self._tied_group))
         scale = 1.0 / tokens.item()
         for p in self.model.parameters():
             p.main_grad.mul_(scale)
@@ -238,13 +237,6 @@ class GradSync:
         """The unit's parameters in one order on every holder (the tied copy goes apart)."""
         return [p for u in sorted(units, key=unit_order)
                 for _, p in sorted(self._units.get(u, {}).items()) if p is not self._tied]
-
-    def _all_reduce(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-        grads = [p.main_grad for p in params]  # zeros on a holder that saw no microbatch
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
 
     def grad_norm(self) -> float:
         """L2 norm of the global gradient: each unit's shard at each TP index once (a
