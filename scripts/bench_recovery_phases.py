@@ -11,12 +11,13 @@ model): detection <= 1 s, total <= 5 s.
     python scripts/bench_recovery_phases.py --nproc 4 --repeat 3
     python scripts/bench_recovery_phases.py --nproc 8 --moments steady \
         --strategy reroute replan adaptive --precision fp32 bf16     # by strategy (issue 11)
-    python scripts/bench_recovery_phases.py --nproc 8 --moments steady --optimizer distributed
+    python scripts/bench_recovery_phases.py --nproc 8 --moments steady \
+        --strategy reroute replan adaptive --precision fp32 bf16 --optimizer distributed
 
 ``--strategy`` forces the decision center's choice (adaptive: its score picks); the row
 says what ran (``layout_after.mode``: rerouting, a heterogeneous plan or a megatron layout;
-the plan runtime refuses the distributed optimizer, so its jobs re-plan onto megatron
-layouts, their state rebuilt from the shard copies, refreshed every step here).
+with the distributed optimizer the state is rebuilt from the shard copies, refreshed every
+step here, and a plan shards each part of a stage over its holders).
 """
 
 from __future__ import annotations

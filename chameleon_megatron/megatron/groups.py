@@ -136,16 +136,16 @@ def unregistered_gloo_group(store: dist.Store, rank: int, size: int, *,
     return dist.ProcessGroupGloo(store, rank, size, _timedelta(timeout_s))
 
 
-def new_groups(rank_lists: list[tuple[int, ...]], *,
-               timeout_s: float) -> list[dist.ProcessGroup | None]:
+def new_groups(rank_lists: list[tuple[int, ...]], *, timeout_s: float,
+               backend: str | None = None) -> list[dist.ProcessGroup | None]:
     """One group per list of world ranks, for layouts megatron's parallel state cannot
     express (heterogeneous pipelines, rerouting). torch requires every rank of the world to
     create every group, in the same order; the result holds this rank's handle for the groups
-    it belongs to and None for the others."""
+    it belongs to and None for the others. ``backend``: the world's unless given."""
     delta = _timedelta(timeout_s)
     me = dist.get_rank()
     handles: list[dist.ProcessGroup | None] = []
     for ranks in rank_lists:
-        group = dist.new_group(list(ranks), timeout=delta)
+        group = dist.new_group(list(ranks), timeout=delta, backend=backend)
         handles.append(group if me in ranks else None)
     return handles

@@ -10,9 +10,9 @@ communicators over groups built per plan, never through ``parallel_state``'s glo
 * the single-microbatch ``forward_step``/``backward_step`` of megatron's schedules
   (``forward_one``/``backward_one``), looked up at call time so that the swap seams wrap them
   here too;
-* megatron's DDP (main-gradient buffers: fp32 for bf16 parameters) and optimizer over
-  groups of this rank alone (``stage_ddp_groups``), stepped by the plan with its global
-  gradient norm (``step_with_norm``);
+* megatron's DDP (main-gradient buffers: fp32 for bf16 parameters) and optimizer, one DDP
+  per part of a stage whose layers share their holders (``stage_ddp_groups``), stepped by
+  the plan with its global gradient norm (``step_with_norm``);
 * seeding of the tensor-parallel RNG tracker, and the scratch buffer attention needs.
 
 ``check_plan_seams`` checks each signature these calls rely on (parameter names), so a
@@ -207,15 +207,17 @@ def backward_one(input_tensor: torch.Tensor | None, output: torch.Tensor,
                                    config)
 
 
-def stage_ddp_groups(solo: dist.ProcessGroup, tp: dist.ProcessGroup, pipeline: Any) -> Any:
-    """The groups megatron's DDP and optimizer read for a plan's stage: its TP group, and
-    this rank alone as every data-parallel and model-parallel group. A plan reduces each
+def stage_ddp_groups(dp: dist.ProcessGroup, solo: dist.ProcessGroup, tp: dist.ProcessGroup,
+                     pipeline: Any) -> Any:
+    """The groups megatron's DDP and optimizer read for a part of a plan's stage: ``dp``
+    (the part's holders, over which the distributed optimizer shards it; ``solo`` without
+    it), its TP group, and this rank alone as every model-parallel group. A plan reduces each
     layer's gradients among exactly its holders (``grad_sync``) and computes the global norm
     itself, so DDP only keeps the main-gradient buffers and the optimizer only updates."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return ProcessGroupCollection(tp=tp, pp=pipeline, ep=solo, dp=solo, dp_cp=solo,
-                                  expt_dp=solo, mp=solo, tp_ep_pp=solo)
+    return ProcessGroupCollection(tp=tp, pp=pipeline, ep=solo, dp=dp, dp_cp=dp, expt_dp=dp,
+                                  intra_dist_opt=dp, mp=solo, tp_ep_pp=solo)
 
 
 def step_with_norm(optimizer: Any, max_norm: float,

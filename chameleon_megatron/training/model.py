@@ -138,26 +138,32 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
     return chunks
 
 
-def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, chunks: list[GPTModel], *,
-             pg_collection: Any = None) -> list[DistributedDataParallel]:
-    """Megatron's wrappers, as Megatron-LM's ``get_model`` stacks them: with --bf16 each
-    chunk is cast whole to bf16 (norms included) and runs in ``Float16Module`` (bf16 inputs,
-    fp32 outputs on the last stage), then DDP (fp32 main grads for bf16 parameters).
+def half_precision(config: TransformerConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """With --bf16 each chunk is cast whole to bf16 (norms included) and runs in
+    ``Float16Module`` (bf16 inputs, fp32 outputs on the last stage), as Megatron-LM's
+    ``get_model`` stacks it."""
+    return [Float16Module(config, chunk) for chunk in chunks] if config.bf16 else chunks
 
-    ``pg_collection``: a plan's stage (``plan_seams.stage_ddp_groups``), whose gradients the
-    plan reduces itself: DDP keeps the main-gradient buffers, reduces nothing, shards nothing."""
-    if config.bf16:
-        chunks = [Float16Module(config, chunk) for chunk in chunks]
-    own_groups = pg_collection is None
-    ddp_config = DistributedDataParallelConfig(
+
+def ddp_config(args: argparse.Namespace, *, plan: bool = False) -> DistributedDataParallelConfig:
+    """megatron's DDP settings (fp32 main grads for bf16 parameters). ``plan``: a plan's
+    stage, whose gradients the plan reduces itself (``resilience.execution.grad_sync``, with
+    its own overlap): DDP keeps the main-gradient buffers (laid out for the distributed
+    optimizer's shards with --use-distributed-optimizer) and reduces nothing."""
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16,
-        overlap_grad_reduce=args.overlap_grad_reduce and own_groups,
-        use_distributed_optimizer=args.use_distributed_optimizer and own_groups,
+        overlap_grad_reduce=args.overlap_grad_reduce and not plan,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=False,
     )
+
+
+def wrap_ddp(args: argparse.Namespace, config: TransformerConfig,
+             chunks: list[GPTModel]) -> list[DistributedDataParallel]:
+    """Megatron's wrappers over megatron's parallel state (``half_precision``, then DDP)."""
     return [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+        DistributedDataParallel(config=config, ddp_config=ddp_config(args), module=chunk,
                                 # Only the first chunk buckets, as in Megatron-LM.
-                                disable_bucketing=i > 0, pg_collection=pg_collection)
-        for i, chunk in enumerate(chunks)
+                                disable_bucketing=i > 0)
+        for i, chunk in enumerate(half_precision(config, chunks))
     ]

@@ -14,7 +14,8 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], *,
                     pg_collection: Any = None):
     """megatron's optimizer over ``model`` (DDP chunks). ``pg_collection``: a plan's stage
     (``plan_seams.stage_ddp_groups``): the plan clips with its global norm
-    (``plan_seams.step_with_norm``), so this optimizer's own clipping is off."""
+    (``plan_seams.step_with_norm``), so this optimizer's own clipping is off; with the
+    distributed optimizer each chunk is sharded over its own DDP's data-parallel group."""
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -26,7 +27,7 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], *,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
-        use_distributed_optimizer=args.use_distributed_optimizer and pg_collection is None,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         clip_grad=args.clip_grad if pg_collection is None else 0.0,
     )
     return get_megatron_optimizer(config, model, pg_collection=pg_collection,

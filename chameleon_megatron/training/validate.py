@@ -132,6 +132,9 @@ def _check_run(args: argparse.Namespace) -> None:
           f"--lr-warmup-iters={args.lr_warmup_iters} must be < --lr-decay-iters="
           f"{args.lr_decay_iters}")
     _need(args.min_lr <= args.lr, f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    _need(not (args.use_distributed_optimizer and args.optimizer != "adam"),
+          f"--optimizer {args.optimizer} with --use-distributed-optimizer: megatron's "
+          "distributed optimizer shards Adam only; drop one of them")
     if args.save_interval is not None:
         _need(args.save is not None, "--save-interval needs --save")
         _need(args.save_interval > 0, f"--save-interval={args.save_interval}: must be > 0")

@@ -98,6 +98,8 @@ class Scenario:
     """The ReroutePlan of ``plan``, if its dead ranks' work is rerouted."""
     overlap: bool = False
     """--overlap-grad-reduce: each group's all-reduce starts during the last backward."""
+    distributed: bool = False
+    """--use-distributed-optimizer: each part of a stage is sharded over its holders."""
     trainer_steps: int = 0
     """Steps the trainer runs first on ``plan`` (a uniform layout, all ranks alive); then
     the dead ranks leave and the survivors switch to the plan runtime with their own state
@@ -142,7 +144,8 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
                                 rank=live.index(me), world_size=len(live),
                                 timeout=datetime.timedelta(seconds=60))
         rt = build_runtime(
-            argparse.Namespace(**{**vars(args), "overlap_grad_reduce": sc.overlap}), sc.plan,
+            argparse.Namespace(**{**vars(args), "overlap_grad_reduce": sc.overlap,
+                                  "use_distributed_optimizer": sc.distributed}), sc.plan,
             me, sync_groups=allreduce_groups(sc.plan, profile),
             sync_rounds=allreduce_rounds(sc.plan, profile),
             world={r: k for k, r in enumerate(live)}, reroute=sc.reroute, timeout_s=60)
@@ -165,7 +168,7 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
             if it == 0:
                 rec["grads"] = unit_tensors([rt.model], lambda p: p.main_grad)
         rec["params"] = unit_tensors([rt.model], lambda p: p)
-        rec["adam"] = adam_state([rt.model], rt.optimizer)
+        rec["adam"] = (shard_state if sc.distributed else adam_state)([rt.model], rt.optimizer)
         (out / sc.name).mkdir(exist_ok=True)
         torch.save(rec, out / sc.name / f"rank{me}.pt")
         groups.destroy()
@@ -228,6 +231,17 @@ def adam_state(model: list, optimizer) -> dict:
     view = ModelState(model, optimizer, role="source")
     return {u: {n: t.clone() for n, t in view.tensors(u, "optimizer").items()}
             for u in view.units()}
+
+
+def shard_state(model: list, optimizer) -> dict:
+    """A distributed optimizer's pieces: (unit, name, start, end, numel of the whole) ->
+    the piece's fp32 main elements and optimizer state."""
+    from chameleon_megatron.resilience.dist_opt import owned
+
+    return {(o.piece.unit, o.piece.name, o.piece.start, o.piece.end, o.param.numel()):
+            {"main": o.main.detach().clone(),
+             **{k: v.detach().clone() for k, v in o.state.items()}}
+            for o in owned(model, optimizer)}
 
 
 def load_units(model, state: dict) -> None:

@@ -40,6 +40,8 @@ def test_good_layout_fills_derived_values():
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
      r"--num-layers-per-virtual-pipeline-stage=3 does not divide the 2 layers"),
     (["--lr-warmup-iters", "5"], r"--lr-warmup-iters=5 must be < --lr-decay-iters=2"),
+    (["--optimizer", "sgd", "--use-distributed-optimizer"],
+     r"--optimizer sgd with --use-distributed-optimizer: .* shards Adam only"),
     (["--num-experts", "4"],
      r"--num-experts=4 with linear biases: .* fail in backward; give --disable-bias-linear"),
 ])

@@ -92,7 +92,6 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
         (plan.tp == 1 or not args.num_experts,
          f"--num-experts with tp={plan.tp}: plans execute MoE with tensor parallelism 1 only"),
-        (not args.use_distributed_optimizer, "--use-distributed-optimizer: not with plans"),
         (not args.sequence_parallel, "--sequence-parallel: plans do not reduce the "
          "sequence-parallel layer-norm gradients"),
         (plan.num_layers == args.num_layers,

@@ -102,6 +102,24 @@ def sync_spec(plan: Plan, groups: Sequence[AllReduceGroup], rounds: Sequence[Seq
     )
 
 
+def tied_weight(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    """The stage's copy of the tied embedding (first or last stage), if it has one: its
+    gradient is summed over every copy apart from its unit's (``SyncSpec.tied``)."""
+    if getattr(model, "share_embeddings_and_output_weights", False) and \
+            (model.pre_process or model.post_process):
+        return model.shared_embedding_or_output_weight()
+    return None
+
+
+def unit_params(units: Mapping[StateUnit, Mapping[str, torch.nn.Parameter]],
+                wanted: Sequence[StateUnit],
+                tied: torch.nn.Parameter | None) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of the ``wanted`` units, named ``<unit>.<name within it>``, in one
+    order on every holder; the tied copy goes apart."""
+    return [(f"{u}.{name}", p) for u in sorted(wanted, key=unit_order)
+            for name, p in sorted(units.get(u, {}).items()) if p is not tied]
+
+
 def _position(unit: StateUnit) -> float:
     """Where a unit runs in the forward pass (the backward pass finishes them in reverse)."""
     return -1 if unit == EMBEDDING else math.inf if unit == OUTPUT else unit
@@ -148,9 +166,7 @@ class GradSync:
         self.model, self.spec, self.me, self.tp_index = model, spec, me, tp_index
         self._tied_group = tied
         self._units = unit_parameters([model])
-        shared = getattr(model, "share_embeddings_and_output_weights", False)
-        self._tied = (model.shared_embedding_or_output_weight()
-                      if shared and (model.pre_process or model.post_process) else None)
+        self._tied = tied_weight(model)
         mine = [(k, g, h) for k, m in enumerate(rounds) if m is not None for g, h in [m]]
         self._order = sorted(mine, key=lambda x: (-max(map(_position, x[1].layers)), x[0]))
         """This rank's groups as (round, group, handle), in the order all ranks start them."""
@@ -234,9 +250,7 @@ class GradSync:
                       "rounds": self.performed, "tied": self._tied_group is not None})
 
     def _params_of(self, units: Sequence[StateUnit]) -> list[torch.nn.Parameter]:
-        """The unit's parameters in one order on every holder (the tied copy goes apart)."""
-        return [p for u in sorted(units, key=unit_order)
-                for _, p in sorted(self._units.get(u, {}).items()) if p is not self._tied]
+        return [p for _, p in unit_params(self._units, units, self._tied)]
 
     def grad_norm(self) -> float:
         """L2 norm of the global gradient: each unit's shard at each TP index once (a

@@ -9,7 +9,9 @@ Every rank creates every group, in one order derived from the plan alone
 2. at tp > 1, one TP group per stage;
 3. with ``pipelines``: one group per pipeline and TP index, for megatron's 1F1B schedule;
 4. the gradient all-reduce groups, round by round (``grad_sync.SyncSpec``);
-5. the groups of the tied embedding's copies.
+5. the groups of the tied embedding's copies;
+6. with ``host``: every live rank over gloo, where the distributed optimizer's shard copies
+   travel (``recovery/shard_replica``) whatever the device backend.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ class PlanGroups:
     """Per sync round, this rank's group in it (ranks in plan ids) and its handle."""
     tied: dist.ProcessGroup | None
     world: Mapping[int, int]
+    host: dist.ProcessGroup | None = None
+    """Every live rank over gloo (None without ``host``)."""
 
 
 def build_plan_groups(plan: Plan, me: int, spec: SyncSpec, *, world: Mapping[int, int],
-                      pipelines: bool, timeout_s: float) -> PlanGroups:
+                      pipelines: bool, timeout_s: float, host: bool = False) -> PlanGroups:
     """Create every group of the plan (collective over the world); ``me`` is a plan rank."""
     _check_world(plan, me, world, pipelines)
     live = sorted(world, key=world.__getitem__)
@@ -73,10 +77,12 @@ def build_plan_groups(plan: Plan, me: int, spec: SyncSpec, *, world: Mapping[int
                 mine = (g, handle)
         rounds.append(mine)
     tied = [h for h in handles if h is not None]
+    ring = groups.new_groups([tuple(range(len(live)))], timeout_s=timeout_s,
+                             backend="gloo")[0] if host else None
     return PlanGroups(
         slot=slot, solo=solo, tp=tp,
         pipeline=pipeline[pipes.index((slot.pipeline, slot.tp_index))] if pipelines else None,
-        rounds=tuple(rounds), tied=tied[0] if tied else None, world=dict(world),
+        rounds=tuple(rounds), tied=tied[0] if tied else None, world=dict(world), host=ring,
     )
 
 

@@ -76,10 +76,11 @@ class PlanRuntime:
     reroute: ReroutePlan | None
     """The rerouting this runtime executes (None: the plan's pipelines run whole)."""
     model: torch.nn.Module
-    """This rank's stage: megatron-core's ``GPTModel`` in megatron's DDP (and, with bf16,
-    ``Float16Module``)."""
+    """This rank's stage: megatron-core's ``GPTModel`` (with bf16, in ``Float16Module``)."""
+    parts: list[Any]
+    """Its parameters in megatron's DDP, one per part (``stage_model``)."""
     optimizer: Any
-    """megatron's optimizer over ``model``, stepped with the plan's norm (``apply_update``)."""
+    """megatron's optimizer over ``parts``, stepped with the plan's norm (``apply_update``)."""
     sync: GradSync
     groups: PlanGroups
     p2p: Any
@@ -93,6 +94,15 @@ class PlanRuntime:
     @property
     def slot(self) -> Slot:
         return self.groups.slot
+
+    def unit_sharers(self) -> tuple[int, ...]:
+        """The live ranks holding any of this rank's units at its TP index (this one too):
+        the distributed optimizer shards each unit over some of them."""
+        held = self.plan.holdings()
+        index, mine = held[self.me]
+        dead = set(self.reroute.stopped_ranks if self.reroute else ())
+        return tuple(sorted(r for r, (i, units) in held.items()
+                            if i == index and r not in dead and set(units) & set(mine)))
 
     def schedule_groups(self) -> Any:
         return plan_seams.stage_groups(self.groups.solo, self.groups.tp, self.groups.pipeline)
@@ -119,8 +129,8 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
                      tied=not args.untie_embeddings_and_output_weights)
     seed_stage(args.seed, slot_of(plan, me))
     groups = build_plan_groups(plan, me, spec, world=world, pipelines=reroute is None,
-                               timeout_s=timeout_s)
-    model, optimizer = build_stage_model(args, plan, groups.slot, groups.solo, groups.tp)
+                               host=args.use_distributed_optimizer, timeout_s=timeout_s)
+    model, parts, optimizer = build_stage_model(args, plan, groups)
     sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied,
                     tp_index=groups.slot.tp_index, overlap=args.overlap_grad_reduce)
     model.config.finalize_model_grads_func = sync
@@ -129,7 +139,7 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     depth = plan.pipelines[groups.slot.pipeline].depth
     p2p = (plan_seams.p2p_communicator(groups.pipeline, model.config)
            if reroute is None and depth > 1 else None)
-    return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model,
+    return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model, parts=parts,
                        optimizer=optimizer, sync=sync, groups=groups, p2p=p2p)
 
 
@@ -171,7 +181,8 @@ def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool)
 
 def zero_grads(rt: PlanRuntime) -> None:
     """Clear the main-gradient buffers before a step, as the trainer does."""
-    rt.model.zero_grad_buffer()
+    for part in rt.parts:
+        part.zero_grad_buffer()
     rt.optimizer.zero_grad()
     rt.sync.reset()
 

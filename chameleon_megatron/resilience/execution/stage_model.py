@@ -4,10 +4,15 @@ pipelines of different depths (a re-plan) or a kept layout with dead ranks (rero
 A stage is megatron-core's ``GPTModel`` built from the trainer's arguments with its
 pipeline's depth and layer split (any contiguous split, as a
 ``pipeline_model_parallel_layout``), so its layers carry their global numbers and its state
-units match every other holder's. It is wrapped as the trainer wraps its chunks (bf16:
-``Float16Module``; megatron's DDP with fp32 main gradients), over groups of this rank alone:
-the gradient sync is per layer (``grad_sync``). Nothing here reads megatron's parallel
-state.
+units match every other holder's. With bf16 it runs in ``Float16Module``, as the trainer's
+chunks do. Nothing here reads megatron's parallel state.
+
+Its parameters sit in megatron's DDP (fp32 main gradients) and megatron's optimizer, in
+*parts*: with the distributed optimizer, one DDP per gradient-sync group of this rank (a run
+of units with the same holders), over that group, so the optimizer shards each part over
+exactly its holders; the units held alone and the tied embedding's copy (summed over its
+copies apart) form one more part over this rank alone. Without it, the whole stage is one
+part over this rank alone. The gradient sync itself is the plan's (``grad_sync``).
 """
 
 from __future__ import annotations
@@ -18,16 +23,21 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
 
 from chameleon_megatron.megatron import plan_seams
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.placement import Slot
+from chameleon_megatron.resilience.execution.grad_sync import tied_weight, unit_params
+from chameleon_megatron.resilience.execution.plan_groups import PlanGroups
+from chameleon_megatron.resilience.model_state import unit_parameters
 from chameleon_megatron.training.model import (
     Kernels,
     available_kernels,
+    ddp_config,
+    half_precision,
     layer_spec,
     transformer_config,
-    wrap_ddp,
 )
 from chameleon_megatron.training.optim import build_optimizer
 
@@ -46,12 +56,41 @@ def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
     )
 
 
-def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
-                      solo: dist.ProcessGroup,
-                      tp: dist.ProcessGroup) -> tuple[torch.nn.Module, Any]:
-    """The stage ``slot`` of ``plan`` in its DDP wrapper, and megatron's optimizer over it;
-    ``solo`` is a group of this rank alone, ``tp`` the stage's TP group (``solo`` at
-    tp = 1). Weights are megatron's random init: load the real ones afterwards."""
+class ParamSet(torch.nn.Module):
+    """Some parameters of a model registered again under the given dotted names, as the
+    module of one DDP part (names keep their suffixes: megatron's optimizer reads them)."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        for name, param in named:
+            *path, leaf = name.split(".")
+            module: torch.nn.Module = self
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, torch.nn.Module())
+                module = module._modules[part]
+            module.register_parameter(leaf, param)
+
+
+def stage_parts(gpt: torch.nn.Module, groups: PlanGroups, *, distributed: bool,
+                ) -> list[tuple[list[tuple[str, torch.nn.Parameter]], dist.ProcessGroup]]:
+    """The stage's DDP parts: (named parameters, the group sharding them); see above."""
+    units = unit_parameters([gpt])
+    every = unit_params(units, list(units), None)
+    if not distributed:
+        return [(every, groups.solo)]
+    parts = [(unit_params(units, g.layers, tied_weight(gpt)), handle)
+             for g, handle in filter(None, groups.rounds)]
+    taken = {id(p) for named, _ in parts for _, p in named}
+    rest = [(name, p) for name, p in every if id(p) not in taken]
+    return parts + ([(rest, groups.solo)] if rest else [])
+
+
+def build_stage_model(args: argparse.Namespace, plan: Plan,
+                      groups: PlanGroups) -> tuple[torch.nn.Module, list[Any], Any]:
+    """The stage of this rank (``groups.slot``) of ``plan``, its DDP parts, and megatron's
+    optimizer over them. Weights are megatron's random init: load the real ones afterwards."""
+    slot = groups.slot
     pipe = plan.pipelines[slot.pipeline]
     kernels = available_kernels()
     config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels,
@@ -60,10 +99,16 @@ def build_stage_model(args: argparse.Namespace, plan: Plan, slot: Slot,
     gpt = plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
                                pre_process=slot.stage == 0,
                                post_process=slot.stage == pipe.depth - 1,
-                               groups=plan_seams.stage_groups(solo, tp, position))
-    ddp_groups = plan_seams.stage_ddp_groups(solo, tp, position)
-    (model,) = wrap_ddp(args, config, [gpt], pg_collection=ddp_groups)
-    return model, build_optimizer(args, [model], pg_collection=ddp_groups)
+                               groups=plan_seams.stage_groups(groups.solo, groups.tp, position))
+    (model,) = half_precision(config, [gpt])
+    parts = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config(args, plan=True), module=ParamSet(named),
+            pg_collection=plan_seams.stage_ddp_groups(dp, groups.solo, groups.tp, position))
+        for named, dp in stage_parts(gpt, groups, distributed=args.use_distributed_optimizer)
+    ]
+    solo = plan_seams.stage_ddp_groups(groups.solo, groups.solo, groups.tp, position)
+    return model, parts, build_optimizer(args, parts, pg_collection=solo)
 
 
 def seed_stage(seed: int, slot: Slot) -> None:

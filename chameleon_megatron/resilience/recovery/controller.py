@@ -52,7 +52,7 @@ from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
-from chameleon_megatron.resilience.execution.runtime import build_runtime
+from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
 from chameleon_megatron.resilience.model_state import ModelState
 from chameleon_megatron.resilience.recovery import run_state, shard_assembly
 from chameleon_megatron.resilience.recovery.detector import (
@@ -166,6 +166,8 @@ class RecoveryController:
         self.plan = plan
         """The plan trained now (rerouting: the kept plan, dead ranks included)."""
         self.reroute: ReroutePlan | None = None
+        self.runtime: PlanRuntime | None = None
+        """The plan runtime this rank trains through (None: a megatron layout)."""
         self.active: tuple[int, ...] = world_order(plan)[1] if plan is not None else ()
         """Launch ranks of the current world, in world-rank order."""
         self.members = self.active
@@ -218,10 +220,13 @@ class RecoveryController:
     def refresh_shards(self, trainer: TrainerHandle,
                        active: Sequence[int] | None = None) -> None:
         """Copy the distributed optimizer's shards to host memory and to each one's
-        data-parallel successor (collective over every data-parallel group)."""
+        successor (collective over every data-parallel group; in a plan, over the world)."""
         model, optimizer = trainer.model_and_optimizer()
+        rt = self.runtime
         self.shards.refresh(model, optimizer, run_state.of(trainer, rng_state()), me=self.me,
-                            world_to_job=tuple(active if active is not None else self.active))
+                            world_to_job=tuple(active if active is not None else self.active),
+                            ring=rt.groups.host if rt else groups.data_parallel_gloo(),
+                            partners=rt.unit_sharers() if rt else None)
 
     def _keepalive(self) -> None:
         """Beat before a wait that cannot: it may last a whole recovery window (a rank
@@ -598,8 +603,9 @@ class RecoveryController:
             groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
             self._keepalive()
             trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size, hints=hints)
+            self.runtime = None
             return
-        runtime = build_runtime(
+        self.runtime = runtime = build_runtime(
             trainer.args, decision.plan, self.me, sync_groups=decision.sync_groups,
             sync_rounds=decision.sync_rounds,
             world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,

@@ -108,14 +108,17 @@ def assemble(group: Any, members: Sequence[int], me: int, held: Held,
         work.wait()
     if replicas is None or replicas.own is None or me in unassemblable(held, iteration):
         return AssembledUnits([])
-    return AssembledUnits([replicas.own, *got])
+    return AssembledUnits([replicas.own, *got], keep=replicas.own.units)
 
 
 class AssembledUnits:
     """Whole units rebuilt from shard copies: a ``StateView`` to read (the model parameters
     are their main copies cast to the model's dtype, as the optimizer writes them)."""
 
-    def __init__(self, copies: Sequence[ShardCopy]) -> None:
+    def __init__(self, copies: Sequence[ShardCopy], keep: Sequence[StateUnit] = ()) -> None:
+        """``keep``: the units to rebuild (default: every unit the copies hold pieces of)."""
+        self._keep = set(keep)
+        self._placed: set = set()
         self._entries: dict[StateUnit, dict[str, dict[str, torch.Tensor]]] = {}
         self._shapes: dict[tuple[StateUnit, str], tuple[int, ...]] = {}
         covered: dict[tuple[StateUnit, str], int] = {}
@@ -141,6 +144,9 @@ class AssembledUnits:
             sizes = copy.sizes(piece)
             chunks = copy.flat[offset:offset + sum(sizes)].split(sizes)
             offset += sum(sizes)
+            if self._keep and piece.unit not in self._keep or piece in self._placed:
+                continue  # (a plan keeps the tied copy whole on each holder: the same piece)
+            self._placed.add(piece)
             whole = _numel(piece.shape)
             entry = self._entries.setdefault(piece.unit, {}).setdefault(piece.name, {})
             self._shapes[(piece.unit, piece.name)] = piece.shape

@@ -4,9 +4,11 @@ outlives it.
 Every ``ft.shard_replica_interval`` steps (and before the first step, and after each
 recovery) each rank copies its pieces (``dist_opt.owned``: the fp32 main piece and the
 optimizer state of every parameter piece it owns) to host memory and sends the copy to its
-successor in its data-parallel group (job ranks in ascending order, cyclic), receiving its
-predecessor's. A barrier over the group then commits both, with the run state of that step;
-a failure before the commit leaves the previous pair in force everywhere in the group.
+successor in a ring (job ranks in ascending order, cyclic), receiving its predecessor's. The
+ring is the rank's data-parallel group on a megatron layout, and every live rank in a plan
+(whose parts are sharded over different holder sets). A barrier over the ring then commits
+both, with the run state of that step; a failure before the commit leaves the previous pair
+in force everywhere in the ring.
 
 The host memory used is two shards per rank (its own, its predecessor's). The recovery
 (``recovery/shard_assembly``) rebuilds whole units from the survivors' copies and the dead
@@ -26,7 +28,8 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.dist_opt import Piece, owned, state_keys
-from chameleon_megatron.resilience.model_state import tied_embedding
+from chameleon_megatron.resilience.decision.layout import StateUnit
+from chameleon_megatron.resilience.model_state import tied_embedding, unit_parameters
 from chameleon_megatron.resilience.recovery.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,8 @@ class ShardCopy:
     rank: int
     """The job rank whose shard this is."""
     group: tuple[int, ...]
-    """Its data-parallel group (job ranks, ascending): their copies make whole units."""
+    """The ranks sharing its units (job ranks, ascending; its data-parallel group on a
+    megatron layout): their copies make its units whole."""
     iteration: int
     pieces: tuple[Piece, ...]
     keys: tuple[str, ...]
@@ -50,6 +54,8 @@ class ShardCopy:
     """The model serves its word embedding as output weight too (one stage)."""
     flat: torch.Tensor
     """fp32; per piece, its main elements, then each key's."""
+    units: tuple[StateUnit, ...] = ()
+    """The units the rank holds (the others' copies also hold pieces of units it lacks)."""
 
     def sizes(self, piece: Piece) -> list[int]:
         return [piece.numel] + [1 if key == "step" else piece.numel for key in self.keys]
@@ -61,14 +67,15 @@ class ShardCopy:
         return {"rank": self.rank, "group": list(self.group), "iteration": self.iteration,
                 "pieces": [[p.unit, p.name, p.start, p.end, list(p.shape)]
                            for p in self.pieces],
-                "keys": list(self.keys), "dtype": self.dtype, "tied": self.tied}
+                "keys": list(self.keys), "dtype": self.dtype, "tied": self.tied,
+                "units": list(self.units)}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], flat: torch.Tensor) -> ShardCopy:
         pieces = tuple(Piece(u, n, s, e, tuple(shape)) for u, n, s, e, shape in meta["pieces"])
         return cls(rank=meta["rank"], group=tuple(meta["group"]), iteration=meta["iteration"],
                    pieces=pieces, keys=tuple(meta["keys"]), dtype=meta["dtype"],
-                   tied=meta["tied"], flat=flat)
+                   tied=meta["tied"], flat=flat, units=tuple(meta["units"]))
 
 
 @torch.no_grad()
@@ -85,7 +92,8 @@ def collect(model: list[torch.nn.Module], optimizer: Any, *, rank: int,
     dtype = str(mine[0].param.dtype) if mine else "torch.float32"
     return ShardCopy(rank=rank, group=tuple(sorted(group)), iteration=iteration,
                      pieces=tuple(o.piece for o in mine), keys=keys, dtype=dtype,
-                     tied=tied_embedding(model) is not None, flat=flat)
+                     tied=tied_embedding(model) is not None, flat=flat,
+                     units=tuple(unit_parameters(model)))
 
 
 class ShardReplicas:
@@ -106,13 +114,16 @@ class ShardReplicas:
                                     and self.own.iteration != iteration)
 
     def refresh(self, model: list[torch.nn.Module], optimizer: Any, run: RunState, *,
-                me: int, world_to_job: tuple[int, ...]) -> None:
-        """Copy, exchange around the data-parallel group, commit (collective over it)."""
+                me: int, world_to_job: tuple[int, ...], ring: dist.ProcessGroup,
+                partners: tuple[int, ...] | None = None) -> None:
+        """Copy, exchange around ``ring`` (a gloo group), commit (collective over it).
+        ``partners``: the job ranks sharing this rank's units (None: the ring's)."""
         start = time.perf_counter()
-        dp = groups.data_parallel_gloo()
+        dp = ring
         world = dist.get_process_group_ranks(dp)
         job = [world_to_job[w] for w in world]
-        copy = collect(model, optimizer, rank=me, group=tuple(job), iteration=run.iteration)
+        copy = collect(model, optimizer, rank=me, group=partners or tuple(job),
+                       iteration=run.iteration)
         ring = sorted(job)
         replica = None
         if len(ring) > 1:

@@ -70,10 +70,9 @@ def test_the_runtime_refuses_what_it_does_not_execute() -> None:
     check_plan_runtime(_args(num_experts=4), HETERO)
     check_plan_runtime(_args(bf16=True), HETERO)
     check_plan_runtime(_args(num_experts=4, moe_aux_loss_coeff=0.01), HETERO)
-    for over, message in [({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
-                          ({"num_layers": 8}, "plan has 4 layers, the model 8")]:
-        with pytest.raises(ValueError, match=message):
-            check_plan_runtime(_args(**over), HETERO)
+    check_plan_runtime(_args(bf16=True, use_distributed_optimizer=True), HETERO)
+    with pytest.raises(ValueError, match="plan has 4 layers, the model 8"):
+        check_plan_runtime(_args(num_layers=8), HETERO)
     tp2 = UniformLayout(tp=2, pp=2, dp=1).to_plan(4, 2)
     check_plan_runtime(_args(bf16=True), tp2)
     with pytest.raises(ValueError, match="--num-experts with tp=2"):

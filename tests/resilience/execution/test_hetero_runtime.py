@@ -38,7 +38,8 @@ def make_plan():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One job: the reference, the plan, the plan with the overlapped reduce."""
+    """One job: the reference, the plan, the plan with the overlapped reduce, the plan with
+    the distributed optimizer."""
     out = tmp_path_factory.mktemp("hetero")
     launch(__file__, 6, out, timeout_s=170)
     return out
@@ -90,11 +91,38 @@ def test_an_overlapped_reduce_computes_the_same_bits(runs: Path) -> None:
                     assert torch.equal(overlap[what][unit][name], want), (r, what, unit, name)
 
 
+def test_the_distributed_optimizer_shards_each_part_over_its_holders(runs: Path) -> None:
+    """--use-distributed-optimizer: every part of a stage is sharded over the ranks holding
+    it (ranks 4 and 5 hold every layer, so each keeps about half of its state); the losses,
+    gradient norms and parameters are those of the plan without it, bit for bit, and each
+    piece's Adam state is the matching slice of the whole state there."""
+    import torch
+
+    for r in range(6):
+        whole, sharded = (torch.load(runs / name / f"rank{r}.pt")
+                          for name in ("hetero", "distopt"))
+        assert sharded["loss"] == whole["loss"] and sharded["grad_norm"] == whole["grad_norm"]
+        for unit, tensors in whole["params"].items():  # (the clipped gradients are shards)
+            for name, want in tensors.items():
+                assert torch.equal(sharded["params"][unit][name], want), (r, unit, name)
+        kept = 0
+        for (unit, name, start, end, numel), piece in sharded["adam"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                want = whole["adam"][unit][f"{name}/{key}"].reshape(-1)[start:end]
+                assert torch.equal(piece[key], want), (r, unit, name, key)
+            assert piece["step"] == whole["adam"][unit][f"{name}/step"]
+            kept += end - start
+        held = sum(t.numel() for ts in whole["params"].values() for t in ts.values())
+        if r in (4, 5):  # every layer is held by both: about half each
+            assert 0.3 * held < kept < 0.7 * held, (r, kept, held)
+
+
 def scenarios() -> list[Scenario]:
     from chameleon_megatron.resilience.execution.runtime import run_hetero_step
 
     return [Scenario("hetero", make_plan(), run_hetero_step),
-            Scenario("overlap", make_plan(), run_hetero_step, overlap=True)]
+            Scenario("overlap", make_plan(), run_hetero_step, overlap=True),
+            Scenario("distopt", make_plan(), run_hetero_step, distributed=True)]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ same-stage peer:
 
 After two steps the losses, gradient norms, gradients, parameters and Adam state match the
 trainer in one process over the same 10 microbatches. With --overlap-grad-reduce (first
-stage dead) every number is the same, bit for bit, as without.
+stage dead) every number is the same, bit for bit, as without; so it is with
+--use-distributed-optimizer, whose shards of the last stage are split between its two
+holders.
 
 Run as a script, this file is the worker program of the test (both cases in turn, in the
 same four processes).
@@ -56,7 +58,9 @@ def scenarios() -> list[Scenario]:
     return [*(Scenario(name, make_plan(), run_reroute_step, reroute=reroute_plan(dead),
                        trainer_steps=TRAINER_STEPS[name]) for name, dead in DEAD.items()),
             Scenario("overlap", make_plan(), run_reroute_step, reroute=reroute_plan(1),
-                     overlap=True)]
+                     overlap=True),
+            Scenario("distopt", make_plan(), run_reroute_step, reroute=reroute_plan(1),
+                     distributed=True)]
 
 
 def test_rerouted_microbatches_match_the_failure_free_run(tmp_path: Path) -> None:
@@ -90,6 +94,22 @@ def test_rerouted_microbatches_match_the_failure_free_run(tmp_path: Path) -> Non
         for unit, tensors in sync["params"].items():
             for name, want_param in tensors.items():
                 assert torch.equal(overlap["params"][unit][name], want_param), (r, unit, name)
+    # --use-distributed-optimizer: ranks 2 and 3 (the last stage's holders) each keep half
+    # of its optimizer state, rank 0 all of the first stage's; the same bits
+    for r in (0, 2, 3):
+        whole, sharded = (torch.load(tmp_path / name / f"rank{r}.pt")
+                          for name in ("first_stage_dead", "distopt"))
+        assert (sharded["loss"], sharded["grad_norm"]) == (whole["loss"], whole["grad_norm"])
+        for unit, tensors in whole["params"].items():
+            for name, want_param in tensors.items():
+                assert torch.equal(sharded["params"][unit][name], want_param), (r, unit, name)
+        kept = 0
+        for (unit, name, start, end, _), piece in sharded["adam"].items():
+            want_m = whole["adam"][unit][f"{name}/exp_avg_sq"].reshape(-1)[start:end]
+            assert torch.equal(piece["exp_avg_sq"], want_m), (r, unit, name)
+            kept += end - start
+        held = sum(t.numel() for ts in whole["params"].values() for t in ts.values())
+        assert (kept == held) if r == 0 else (0.3 * held < kept < 0.7 * held), (r, kept, held)
 
 
 if __name__ == "__main__":

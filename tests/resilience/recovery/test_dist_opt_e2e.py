@@ -55,14 +55,16 @@ def combine_pieces(dumps: dict) -> dict[str, dict]:
 
 
 def recover(tmp_path: Path, interval: int, flags: tuple[str, ...], rtol: float,
-            state_rtol: float, *, tp: int = 1, strategy: str = "adaptive") -> dict:
-    """The job on 4 x ``tp`` ranks (DP2 x PP2 x TP ``tp``); rank 0 dies at step FAIL."""
+            state_rtol: float, *, tp: int = 1, strategy: str = "adaptive",
+            mode: str = "megatron", favour: str = "dp") -> dict:
+    """The job on 4 x ``tp`` ranks (DP2 x PP2 x TP ``tp``); rank 0 dies at step FAIL, and
+    the job goes on in ``mode`` (megatron, reroute or hetero)."""
     flags = ("--use-distributed-optimizer", *flags)
     (tmp_path / "reference").mkdir()
     ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=flags)
     job = tmp_path / "job"
     job.mkdir()
-    profile = write_profile(job / "profile.json", favour="dp", tp=tp)
+    profile = write_profile(job / "profile.json", favour=favour, tp=tp)
     recs, dumps, log = launch(job, 4 * tp, [
         *flags, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", str(tp),
         "--chameleon-ft-strategy", strategy, *FT,
@@ -80,7 +82,7 @@ def recover(tmp_path: Path, interval: int, flags: tuple[str, ...], rtol: float,
     assert done["redo_iteration"] == resumed + 1 and done["state_from"] == {
         "source": "shard copies", "iteration": resumed,
         "rolled_back_steps": FAIL - 1 - resumed, "replicas_of": [0]}, done
-    assert done["layout_after"]["mode"] == "megatron", done["layout_after"]
+    assert done["layout_after"]["mode"] == mode, done["layout_after"]
     assert seen == [*range(1, FAIL), *range(resumed + 1, ITERS + 1)], seen
     assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=state_rtol)
     return done
@@ -96,21 +98,59 @@ def test_a_bf16_distributed_optimizer_recovers_from_its_shard_copies(tmp_path: P
     recover(tmp_path, 1, ("--bf16",), rtol=BF16_RTOL, state_rtol=STATE_RTOL)
 
 
-def test_an_moe_job_with_the_distributed_optimizer_recovers(tmp_path: Path) -> None:
-    """An MoE model's expert weights and their Adam state travel as pieces too (megatron's
+@pytest.mark.parametrize("strategy,mode", [("adaptive", "megatron"), ("reroute", "reroute")])
+def test_an_moe_job_with_the_distributed_optimizer_recovers(tmp_path: Path, strategy: str,
+                                                            mode: str) -> None:
+    """An MoE model's expert weights and their Adam state travel as pieces too, and a
+    rerouted plan shards the experts of the stage two ranks share between them (megatron's
     distributed optimizer is Adam only: SGD is not one of its configurations)."""
     recover(tmp_path, 2, ("--num-experts", "4", "--disable-bias-linear"), rtol=1e-4,
-            state_rtol=1e-4)
+            state_rtol=1e-4, strategy=strategy, mode=mode,
+            favour="dp" if mode == "megatron" else "pp")
 
 
-@pytest.mark.parametrize("strategy", ["adaptive", "reroute", "replan"])
-def test_a_bf16_tp2_distributed_optimizer_job_recovers(tmp_path: Path, strategy: str) -> None:
-    """8 ranks, TP2 x PP2 x DP2, bf16: the plan runtime refuses the distributed optimizer,
-    so even a forced rerouting or heterogeneous re-plan re-plans onto a megatron layout (the
-    record says why); every strategy finishes every step."""
+@pytest.mark.parametrize("strategy,mode", [("adaptive", "megatron"), ("reroute", "reroute"),
+                                           ("replan", "hetero")])
+def test_a_bf16_tp2_distributed_optimizer_job_recovers(tmp_path: Path, strategy: str,
+                                                       mode: str) -> None:
+    """8 ranks, TP2 x PP2 x DP2, bf16. Adaptive (the profile favours data parallelism)
+    re-plans onto a megatron layout; forced, the job reroutes around the dead TP group (its
+    partner waits as a spare) or re-plans onto a heterogeneous pipeline, the plan runtime
+    sharding each part of a stage over its holders. Every strategy finishes every step."""
     done = recover(tmp_path, 1, ("--bf16",), rtol=BF16_RTOL, state_rtol=STATE_RTOL, tp=2,
-                   strategy=strategy)
-    decision = done["decision"]
-    assert decision["executed"] == "replan", decision
-    if decision["choice"] == "reroute":
-        assert "--use-distributed-optimizer" in decision["executed_reason"], decision
+                   strategy=strategy, mode=mode, favour="dp" if mode == "megatron" else "pp")
+    assert done["decision"]["executed"] == ("replan" if mode == "megatron" else strategy), done
+
+
+def test_a_rerouted_job_recovers_again_from_the_plans_shard_copies(tmp_path: Path) -> None:
+    """4 ranks, DP2 x PP2 (pipelines 0-2 and 1-3), interval 2. Rank 0 dies at step 3: the
+    job reroutes (rank 1 alone holds the first stage, ranks 2 and 3 share the last, so the
+    plan runtime shards its state between them) and copies its shards around the plan's
+    ring. Rank 3 dies at step 6: rank 2 rebuilds the last stage from its own copy of step 4
+    and rank 3's replica (on rank 1), the job rolls back to step 4 and redoes steps 5 and 6.
+    Every loss and the final state are the failure-free run's."""
+    flags = ("--use-distributed-optimizer",)
+    (tmp_path / "reference").mkdir()
+    ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=flags)
+    job = tmp_path / "job"
+    job.mkdir()
+    profile = write_profile(job / "profile.json", favour="pp", tp=1)
+    recs, dumps, log = launch(job, 4, [
+        *flags, "--pipeline-model-parallel-size", "2", "--chameleon-ft-strategy", "reroute",
+        *FT, "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
+        "--chameleon-ft-shard-replica-interval", "2",
+        *faults("rank=0,iteration=3,phase=backward,kind=exit",
+                "rank=3,iteration=6,phase=backward,kind=exit")], timeout_s=400)
+    for r in recs:
+        if r["event"] == "iteration":
+            want = ref_losses[r["iteration"]]
+            assert abs(r["loss"] - want) <= 1e-4 * abs(want), (r["iteration"], r["loss"], want)
+    first, second = [r for r in recs if r["event"] == "recovery"]
+    assert first["layout_after"]["mode"] == "reroute", first["layout_after"]
+    assert (second["failed_ranks"], second["fallback"]) == ([3], None), log[-4000:]
+    assert second["redo_iteration"] == 5 and second["state_from"] == {
+        "source": "shard copies", "iteration": 4, "rolled_back_steps": 1,
+        "replicas_of": [3]}, second
+    seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
+    assert seen == [1, 2, 3, 4, 5, 5, 6, 7, 8], seen
+    assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=1e-4)

@@ -65,8 +65,9 @@ def test_spares_hold_nothing_and_take_no_part() -> None:
     assert sa.unassemblable(h, 6) == () and all(7 not in m for m in sa.moves(h, 6))
 
 
-def copy(rank: int, start: int, end: int, values: list[float], step: float) -> ShardCopy:
-    piece = Piece(3, "mlp.linear_fc1.weight", start, end, (2, 3))
+def copy(rank: int, start: int, end: int, values: list[float], step: float,
+         unit: int = 3) -> ShardCopy:
+    piece = Piece(unit, "mlp.linear_fc1.weight", start, end, (2, 3))
     n = end - start
     flat = torch.tensor(values[:n] + [v * 10 for v in values[:n]] + [step], dtype=torch.float32)
     return ShardCopy(rank=rank, group=(0, 1), iteration=6, pieces=(piece,),
@@ -86,3 +87,16 @@ def test_units_are_rebuilt_from_the_pieces() -> None:
 def test_a_missing_piece_is_an_error_not_zeros() -> None:
     with pytest.raises(ValueError, match="hold 4 of its 6 elements"):
         sa.AssembledUnits([copy(0, 0, 4, [1, 2, 3, 4], 6.0)])
+
+
+def test_a_plan_rebuilds_only_its_own_units_and_each_piece_once() -> None:
+    """In a plan a partner's copy also holds pieces of units this rank lacks (its other
+    parts: partial, skipped), and the tied copy is whole on each holder (the same piece)."""
+    whole = copy(0, 0, 6, [1, 2, 3, 4, 5, 6], 6.0)
+    units = sa.AssembledUnits([whole, copy(1, 0, 6, [1, 2, 3, 4, 5, 6], 6.0),
+                               copy(1, 0, 2, [7, 8], 6.0, unit=4)], keep=[3])
+    assert units.units() == (3,)
+    assert units.tensors(3, "params")["mlp.linear_fc1.weight/main"].tolist() == [
+        [1, 2, 3], [4, 5, 6]]
+    with pytest.raises(ValueError, match="hold 2 of its 6 elements"):
+        sa.AssembledUnits([whole, copy(1, 0, 2, [7, 8], 6.0, unit=4)])
