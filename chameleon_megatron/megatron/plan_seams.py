@@ -90,14 +90,15 @@ def check_plan_seams() -> None:
 
 def stage_groups(solo: dist.ProcessGroup, tp: dist.ProcessGroup, pipeline: Any) -> Any:
     """The model's process groups for a stage: ``tp`` is its TP group (this rank alone at
-    tp = 1), also its TP x CP group (no context parallelism), and this rank alone is its CP
-    group and, MoE running at tp = 1, every expert group; ``pipeline`` is the pipeline group
+    tp = 1), also its TP x CP group (no context parallelism) and, experts being split as the
+    dense layers are (expert parallelism 1), its expert TP and TP x EP groups; this rank
+    alone is its CP and expert-parallel group; ``pipeline`` is the pipeline group
     or a ``PipelinePosition``. The copy of the tied embedding is loaded with the state, not
     all-reduced in (no embedding groups)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection(tp=tp, cp=solo, pp=pipeline, embd=None, pos_embd=None,
-                                  dp_cp=None, ep=solo, expt_tp=solo, tp_ep=tp,
+                                  dp_cp=None, ep=solo, expt_tp=tp, tp_ep=tp,
                                   tp_cp=tp, tp_dp_cp=tp, expt_dp=None)
 
 

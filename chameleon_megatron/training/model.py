@@ -14,8 +14,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.module import Float16Module
 
+from chameleon_megatron.megatron.sp_norm import block_spec, torch_norms
 from chameleon_megatron.megatron.te_absent import te_usable
 from chameleon_megatron.training.init_weights import init_layout_independent
 
@@ -107,18 +109,28 @@ def layer_spec(args: argparse.Namespace, kernels: Kernels):
                                           normalization=args.normalization)
 
 
+def model_spec(args: argparse.Namespace, kernels: Kernels, num_layers: int):
+    """What ``GPTModel`` gets for a chunk of ``num_layers`` layers: the layer spec, or with
+    --sequence-parallel on torch's norms a block of such layers whose norms support it
+    (``megatron.sp_norm``)."""
+    spec = layer_spec(args, kernels)
+    if args.sequence_parallel and torch_norms(kernels.transformer_engine):
+        return block_spec(spec, num_layers)
+    return spec
+
+
 def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
                        kernels: Kernels) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank (one without interleaving);
     ``kernels``: those ``config`` was made for (the spec must agree with it)."""
     vpp = args.virtual_pipeline_model_parallel_size
-    spec = layer_spec(args, kernels)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=model_spec(args, kernels,
+                                              get_num_layers_to_build(config, vp_stage=stage)),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,

@@ -48,11 +48,6 @@ def _local_layers() -> bool:
                 and importlib.util.find_spec("transformer_engine") is not None)
 
 
-def _torch_norm() -> bool:
-    """Whether megatron-core builds the layer norms from torch's (local layers, no apex)."""
-    return _local_layers() and importlib.util.find_spec("apex") is None
-
-
 def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _need(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
@@ -80,8 +75,6 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         args.virtual_pipeline_model_parallel_size = per_stage // per_vp
     if args.sequence_parallel:
         _need(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-        _need(not _torch_norm(), "--sequence-parallel needs Transformer Engine (on CUDA) or "
-              "apex: megatron-core's torch layer norm refuses sequence parallelism")
     if args.num_experts is not None and tp > 1:
         _need(args.sequence_parallel,
               f"--num-experts with --tensor-model-parallel-size={tp} needs --sequence-parallel "

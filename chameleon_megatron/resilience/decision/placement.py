@@ -90,10 +90,6 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
     sizes (the first reason), or None when it can."""
     limits = [
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
-        (plan.tp == 1 or not args.num_experts,
-         f"--num-experts with tp={plan.tp}: plans execute MoE with tensor parallelism 1 only"),
-        (not args.sequence_parallel, "--sequence-parallel: plans do not reduce the "
-         "sequence-parallel layer-norm gradients"),
         (plan.num_layers == args.num_layers,
          f"plan has {plan.num_layers} layers, the model {args.num_layers}"),
     ]

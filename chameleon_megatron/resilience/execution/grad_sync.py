@@ -153,7 +153,10 @@ class GradSync:
     accumulated over the microbatches), as megatron's own ``finalize_model_grads`` does.
 
     ``rounds``: per round, this rank's group and its handle, or None; ``tied``: the handle
-    of the tied-embedding group, if this rank holds a copy. Global reductions use the
+    of the tied-embedding group, if this rank holds a copy; ``tp``: the stage's TP group,
+    over which the gradients of parameters marked ``sequence_parallel`` (norms and router
+    under sequence parallelism: each TP rank saw its part of the sequence) are summed, as
+    megatron's ``finalize_model_grads`` sums them. Global reductions use the
     default group, which must be the plan's live ranks. ``overlap``: start each group's
     all-reduce during the last backward pass (the schedule runs the other microbatches'
     backward passes under ``no_sync``; call ``reset`` before each step).
@@ -162,9 +165,12 @@ class GradSync:
     def __init__(self, model: torch.nn.Module, spec: SyncSpec, me: int,
                  rounds: Sequence[tuple[AllReduceGroup, dist.ProcessGroup] | None],
                  tied: dist.ProcessGroup | None, tp_index: int = 0,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, tp: dist.ProcessGroup | None = None) -> None:
         self.model, self.spec, self.me, self.tp_index = model, spec, me, tp_index
         self._tied_group = tied
+        partial = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+        self._sequence_parallel = (partial, tp) if partial and tp is not None else None
+        """Parameters whose gradients are partial over the TP group, and that group."""
         self._units = unit_parameters([model])
         self._tied = tied_weight(model)
         mine = [(k, g, h) for k, m in enumerate(rounds) if m is not None for g, h in [m]]
@@ -243,6 +249,8 @@ class GradSync:
         dist.all_reduce(tokens)
         if self._tied_group is not None:
             _finish(_launch([self._tied], self._tied_group))
+        if self._sequence_parallel is not None:
+            _finish(_launch(*self._sequence_parallel))
         scale = 1.0 / tokens.item()
         for p in self.model.parameters():
             p.main_grad.mul_(scale)

@@ -80,7 +80,9 @@ class _Runner:
         self.rt, self.batches = rt, batches
         self.config = rt.model.config
         args = rt.args
-        self.shape = (args.seq_length, args.micro_batch_size, self.config.hidden_size)
+        # under sequence parallelism a stage's output is its TP rank's part of the sequence
+        seq = args.seq_length // (rt.plan.tp if self.config.sequence_parallel else 1)
+        self.shape = (seq, args.micro_batch_size, self.config.hidden_size)
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.last = rt.gpt.post_process
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}

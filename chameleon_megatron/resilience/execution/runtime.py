@@ -132,7 +132,8 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
                                host=args.use_distributed_optimizer, timeout_s=timeout_s)
     model, parts, optimizer = build_stage_model(args, plan, groups)
     sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied,
-                    tp_index=groups.slot.tp_index, overlap=args.overlap_grad_reduce)
+                    tp_index=groups.slot.tp_index, overlap=args.overlap_grad_reduce,
+                    tp=groups.tp if plan.tp > 1 else None)
     model.config.finalize_model_grads_func = sync
     model.config.no_sync_func = sync.no_sync if args.overlap_grad_reduce else None
     model.config.grad_scale_func = None

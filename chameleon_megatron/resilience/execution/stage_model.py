@@ -36,7 +36,7 @@ from chameleon_megatron.training.model import (
     available_kernels,
     ddp_config,
     half_precision,
-    layer_spec,
+    model_spec,
     transformer_config,
 )
 from chameleon_megatron.training.optim import build_optimizer
@@ -96,7 +96,8 @@ def build_stage_model(args: argparse.Namespace, plan: Plan,
     config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels,
                           tp=plan.tp)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
-    gpt = plan_seams.stage_gpt(config, layer_spec(args, kernels), args=args,
+    spec = model_spec(args, kernels, len(pipe.stages[slot.stage].layers))
+    gpt = plan_seams.stage_gpt(config, spec, args=args,
                                pre_process=slot.stage == 0,
                                post_process=slot.stage == pipe.depth - 1,
                                groups=plan_seams.stage_groups(groups.solo, groups.tp, position))

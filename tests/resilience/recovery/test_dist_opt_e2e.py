@@ -56,7 +56,8 @@ def combine_pieces(dumps: dict) -> dict[str, dict]:
 
 def recover(tmp_path: Path, interval: int, flags: tuple[str, ...], rtol: float,
             state_rtol: float, *, tp: int = 1, strategy: str = "adaptive",
-            mode: str = "megatron", favour: str = "dp") -> dict:
+            mode: str = "megatron", favour: str = "dp",
+            job_only: tuple[str, ...] = ()) -> dict:
     """The job on 4 x ``tp`` ranks (DP2 x PP2 x TP ``tp``); rank 0 dies at step FAIL, and
     the job goes on in ``mode`` (megatron, reroute or hetero)."""
     flags = ("--use-distributed-optimizer", *flags)
@@ -66,8 +67,8 @@ def recover(tmp_path: Path, interval: int, flags: tuple[str, ...], rtol: float,
     job.mkdir()
     profile = write_profile(job / "profile.json", favour=favour, tp=tp)
     recs, dumps, log = launch(job, 4 * tp, [
-        *flags, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", str(tp),
-        "--chameleon-ft-strategy", strategy, *FT,
+        *flags, *job_only, "--pipeline-model-parallel-size", "2",
+        "--tensor-model-parallel-size", str(tp), "--chameleon-ft-strategy", strategy, *FT,
         "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
         "--chameleon-ft-shard-replica-interval", str(interval),
         *faults(f"rank=0,iteration={FAIL},phase=backward,kind=exit")], timeout_s=400)
@@ -120,6 +121,18 @@ def test_a_bf16_tp2_distributed_optimizer_job_recovers(tmp_path: Path, strategy:
     done = recover(tmp_path, 1, ("--bf16",), rtol=BF16_RTOL, state_rtol=STATE_RTOL, tp=2,
                    strategy=strategy, mode=mode, favour="dp" if mode == "megatron" else "pp")
     assert done["decision"]["executed"] == ("replan" if mode == "megatron" else strategy), done
+
+
+@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+def test_a_bf16_tp2_moe_distributed_optimizer_job_recovers(tmp_path: Path, strategy: str,
+                                                           mode: str) -> None:
+    """The same with MoE (4 experts, sequence parallelism: megatron-core's MoE at TP > 1
+    needs it): the plan splits the experts over each stage's TP group and shards them with
+    the rest of their part."""
+    done = recover(tmp_path, 1, ("--bf16", "--num-experts", "4", "--disable-bias-linear"),
+                   rtol=BF16_RTOL, state_rtol=STATE_RTOL, tp=2, strategy=strategy,
+                   mode=mode, favour="pp", job_only=("--sequence-parallel",))
+    assert done["decision"]["executed"] == strategy, done
 
 
 def test_a_rerouted_job_recovers_again_from_the_plans_shard_copies(tmp_path: Path) -> None:
