@@ -1,9 +1,11 @@
-"""The seam through which a step runs on a layout megatron's parallel state cannot express.
+"""The seam through which the trainer runs a step: a ``StepEngine`` per layout.
 
-By default the trainer runs megatron's own schedules over megatron's groups
-(``training/step.py``). A ``StepEngine`` replaces that for as long as it is installed
-(``Trainer.use_engine``): the resilience runtime installs one for heterogeneous pipelines and
-for data rerouting, and removes it when the job returns to a layout megatron runs natively.
+The trainer runs every step, evaluation and checkpoint decision through its engine. A
+megatron layout (uniform TP x PP x DP, megatron's parallel state) has
+``megatron_engine.MegatronEngine``: megatron's own schedules (``training/step.py``). The
+resilience runtime installs a plan's engine (``Trainer.use_engine``) for heterogeneous
+pipelines and for data rerouting, and the trainer builds a megatron one again when the job
+returns to a layout megatron runs natively.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ from chameleon_megatron.training.step import Applied
 class StepEngine(Protocol):
     """One rank's part of a layout, ready to train."""
 
-    model: torch.nn.Module
-    """This rank's stage (a plain megatron ``GPTModel``)."""
+    model: list[torch.nn.Module]
+    """This rank's model chunks (megatron's ``GPTModel`` in its wrappers)."""
     optimizer: Any
-    """Its optimizer; ``build_scheduler`` works on it and its ``.optimizer`` is torch's."""
+    """Their optimizer; ``build_scheduler`` works on it and its ``.optimizer`` is torch's."""
+    config: Any
+    """Their ``TransformerConfig``."""
+    vpp_size: int
+    """Virtual pipeline stages per rank (1: none)."""
+    checkpointable: bool
+    """Whether megatron's dist_checkpointing can save this layout (it shards by megatron's
+    parallel state)."""
 
-    def train_step(self, consumed: int, gbs: int) -> Applied:
+    def train_step(self, dataset: Any, consumed: int, gbs: int) -> Applied:
         """Forward, backward and the optimizer update of the step that starts after
-        ``consumed`` samples; the loss is summed up separately."""
+        ``consumed`` samples of ``dataset``; the loss is summed up separately."""
 
     def global_loss(self, reports: list[dict]) -> tuple[float | None, int]:
         """Loss per token over the whole global batch, and the token count (every rank)."""
@@ -35,7 +44,7 @@ class StepEngine(Protocol):
         token and the token count (every rank)."""
 
     def position(self) -> dict[str, int]:
-        """Where this rank sits: ``pp_rank``, ``pp_size``, ``dp_rank`` (its pipeline)."""
+        """Where this rank sits: ``tp_rank``, ``pp_rank``, ``pp_size``, ``dp_rank``."""
 
     def pipeline_group(self) -> Any:
         """This rank's pipeline as a process group, stages in order (None: none)."""

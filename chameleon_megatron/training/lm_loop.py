@@ -285,9 +285,6 @@ class LMLoop:
     def model_and_optimizer(self) -> tuple[list[Any], Any]:
         return self.model, self.optimizer
 
-    def train_data(self) -> Any:
-        raise RuntimeError("Megatron-LM's loop trains megatron layouts only (no plan runtime)")
-
     def use_engine(self, engine: Any, *, rank: int, world_size: int,
                    hints: dict[str, Any] | None = None) -> None:
         raise RuntimeError("Megatron-LM's loop trains megatron layouts only (no plan runtime)")

@@ -6,7 +6,6 @@ import argparse
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +13,8 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from chameleon_megatron.megatron.sp_norm import block_spec, torch_norms
 from chameleon_megatron.megatron.te_absent import te_usable
@@ -150,7 +149,8 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
     return chunks
 
 
-def half_precision(config: TransformerConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def half_precision(config: TransformerConfig,
+                   chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """With --bf16 each chunk is cast whole to bf16 (norms included) and runs in
     ``Float16Module`` (bf16 inputs, fp32 outputs on the last stage), as Megatron-LM's
     ``get_model`` stacks it."""

@@ -82,9 +82,6 @@ class TrainerHandle(Protocol):
     def model_and_optimizer(self) -> tuple[list[torch.nn.Module], Any]:
         """The model chunks and the optimizer trained now."""
 
-    def train_data(self) -> Any:
-        """The training dataset (sample order depends only on the consumed-sample count)."""
-
     def resume_at(self, *, iteration: int, consumed_samples: int,
                   scheduler_state: dict[str, Any], after_step: str = "") -> None:
         """Continue after ``iteration`` completed steps (state already loaded), first with

@@ -20,6 +20,7 @@ from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
+from chameleon_megatron.training.megatron_engine import MegatronEngine
 from chameleon_megatron.training.metrics import log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
 from chameleon_megatron.training.plugin import (
@@ -30,14 +31,7 @@ from chameleon_megatron.training.plugin import (
     plugins_step,
 )
 from chameleon_megatron.training.startup import parameters_held, startup_line
-from chameleon_megatron.training.step import (
-    Applied,
-    StepResult,
-    configure_schedule,
-    eval_step,
-    global_loss,
-    train_step,
-)
+from chameleon_megatron.training.step import Applied, StepResult, configure_schedule
 from chameleon_megatron.training.validate import validate_args
 
 logger = logging.getLogger(__name__)
@@ -66,8 +60,8 @@ class Trainer:
         """Set by a recovery: the work after step ``iteration`` to run, from this phase, before
         the next step."""
         self.history: list[dict[str, Any]] = []
-        self.engine: StepEngine | None = None
-        """Runs the steps instead of megatron's schedules while installed (``use_engine``)."""
+        self.engine: StepEngine
+        """Runs the steps: megatron's schedules (``_build``) or a plan's (``use_engine``)."""
         self.hints: dict[str, Any] = {}
         """What the last recovery told the plugins of the layout (``TrainContext.extra``)."""
         self.metrics = MetricsWriter(cfg.metrics.file, enabled=self.env.rank == 0)
@@ -105,12 +99,13 @@ class Trainer:
         """Model chunks, DDP, optimizer and LR schedule for the current parallel state."""
         args = self.args
         kernels = model_lib.available_kernels()
-        self.config = model_lib.transformer_config(args, kernels)
-        chunks = model_lib.build_model_chunks(args, self.config, kernels)
-        self.model = model_lib.wrap_ddp(args, self.config, chunks)
+        config = model_lib.transformer_config(args, kernels)
+        chunks = model_lib.build_model_chunks(args, config, kernels)
+        self.model = model_lib.wrap_ddp(args, config, chunks)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
-        configure_schedule(self.config, self.model, self.optimizer, args.overlap_grad_reduce)
+        configure_schedule(config, self.model, self.optimizer, args.overlap_grad_reduce)
+        self.engine = MegatronEngine(args, config, self.model, self.optimizer, self.device)
 
     def _log_start(self) -> None:
         """The start-up line (rank 0), parameters summed over the model-parallel ranks."""
@@ -153,7 +148,6 @@ class Trainer:
         validate_args(args, world_size)
         self.args = args
         self._new_world(rank, world_size, hints)
-        self.engine = None
         self._build()
         self._announce_model()
 
@@ -164,7 +158,7 @@ class Trainer:
         so is moving state (weights, optimizer, schedule step, data position) in."""
         self._new_world(rank, world_size, hints)
         self.engine = engine
-        self.model, self.optimizer = [engine.model], engine.optimizer
+        self.model, self.optimizer = engine.model, engine.optimizer
         self.scheduler = build_scheduler(self.args, self.optimizer)
         self._announce_model()
 
@@ -192,9 +186,6 @@ class Trainer:
     def model_and_optimizer(self) -> tuple[list[Any], Any]:
         return self.model, self.optimizer
 
-    def train_data(self) -> Any:
-        return self.datasets.train
-
     def resume_at(self, *, iteration: int, consumed_samples: int,
                   scheduler_state: dict[str, Any], after_step: str = "") -> None:
         self.iteration, self.consumed_samples = iteration, consumed_samples
@@ -207,47 +198,16 @@ class Trainer:
 
     def context(self) -> TrainContext:
         extra = {"optimizer": self.optimizer, "scheduler": self.scheduler, **self.hints}
-        if self.engine is not None:
-            return TrainContext(model=self.model, config=self.engine.model.config,
-                                args=self.args, device=self.device, rank=self.env.rank,
-                                vpp_size=1, extra=extra,
-                                pipeline_group=self.engine.pipeline_group(),
-                                **self.engine.position())
-        return TrainContext(
-            model=self.model, config=self.config, args=self.args, device=self.device,
-            rank=self.env.rank,
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            vpp_size=self.args.virtual_pipeline_model_parallel_size or 1,
-            pipeline_group=parallel_state.get_pipeline_model_parallel_group(),
-            extra=extra,
-        )
+        return TrainContext(model=self.model, config=self.engine.config, args=self.args,
+                            device=self.device, rank=self.env.rank,
+                            vpp_size=self.engine.vpp_size, extra=extra,
+                            pipeline_group=self.engine.pipeline_group(),
+                            **self.engine.position())
 
     def layout(self) -> dict[str, Any]:
-        if self.engine is not None:
-            return self.engine.layout()
-        a = self.args
-        return {"tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
-                "vpp": a.virtual_pipeline_model_parallel_size or 1, "dp": a.data_parallel_size}
+        return self.engine.layout()
 
     # ----------------------------------------------------------------------------- steps
-    def _iterators(self, dataset, consumed: int, num_microbatches: int) -> list:
-        a = self.args
-        return [
-            data.step_iterator(dataset, consumed, micro=a.micro_batch_size,
-                               dp=a.data_parallel_size,
-                               dp_rank=parallel_state.get_data_parallel_rank(),
-                               num_microbatches=num_microbatches, device=self.device)
-            for _ in self.model
-        ]
-
-    def _schedule(self, gbs: int) -> dict[str, int]:
-        a = self.args
-        return {"num_microbatches": gbs // (a.micro_batch_size * a.data_parallel_size),
-                "seq_length": a.seq_length, "micro_batch_size": a.micro_batch_size}
-
     def train_one(self) -> dict[str, Any]:
         """Run the next iteration and return its metrics record.
 
@@ -262,20 +222,14 @@ class Trainer:
             self.scheduler.step(increment=gbs)
         self.iteration += 1
         self.consumed_samples += gbs
-        sum_up = self.engine.global_loss if self.engine is not None else global_loss
-        loss, tokens = sum_up(applied.reports)
+        loss, tokens = self.engine.global_loss(applied.reports)
         step_time = time.perf_counter() - start
         result = StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
                             skipped=applied.skipped)
         return self._record(result, gbs, step_time)
 
     def _train_step(self, gbs: int) -> Applied:
-        if self.engine is not None:
-            return self.engine.train_step(self.consumed_samples, gbs)
-        schedule = self._schedule(gbs)
-        iterators = self._iterators(self.datasets.train, self.consumed_samples,
-                                    schedule["num_microbatches"])
-        return train_step(self.model, self.optimizer, iterators, **schedule)
+        return self.engine.train_step(self.datasets.train, self.consumed_samples, gbs)
 
     def _record(self, result: StepResult, gbs: int, step_time: float) -> dict[str, Any]:
         rec: dict[str, Any] = {
@@ -310,13 +264,7 @@ class Trainer:
         return rec
 
     def _eval_step(self, start: int) -> tuple[float | None, int]:
-        gbs = self.args.global_batch_size
-        if self.engine is not None:
-            return self.engine.evaluate(self.datasets.valid, start, gbs)
-        schedule = self._schedule(gbs)
-        iterators = self._iterators(self.datasets.valid, start, schedule["num_microbatches"])
-        result = eval_step(self.model, iterators, **schedule)
-        return result.loss, result.tokens
+        return self.engine.evaluate(self.datasets.valid, start, self.args.global_batch_size)
 
     # ----------------------------------------------------------------------------- loop
     def train(self) -> list[dict[str, Any]]:
@@ -409,7 +357,7 @@ class Trainer:
     def save(self) -> None:
         for plugin in self.plugins:
             plugin.on_checkpoint(self.iteration)
-        if self.engine is not None:
+        if not self.engine.checkpointable:
             # dist_checkpointing shards by megatron's parallel state; a plan has none. The
             # last checkpoint stays the fallback until the job is back on a megatron layout.
             logger.warning("checkpoint at iteration %d skipped: layout %s is not a megatron "

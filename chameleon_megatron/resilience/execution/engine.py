@@ -20,10 +20,15 @@ from chameleon_megatron.training.step import Applied, share_loss
 class PlanEngine:
     """Trains (and evaluates) this rank's slot of ``rt.plan``."""
 
-    def __init__(self, rt: PlanRuntime, dataset: Any, device: torch.device) -> None:
-        self.rt, self.dataset, self.device = rt, dataset, device
-        self.model = rt.model
+    vpp_size = 1
+    checkpointable = False
+    """dist_checkpointing shards by megatron's parallel state, which a plan has none of."""
+
+    def __init__(self, rt: PlanRuntime, device: torch.device) -> None:
+        self.rt, self.device = rt, device
+        self.model = [rt.model]
         self.optimizer = rt.optimizer
+        self.config = rt.model.config
 
     def _batches(self, dataset: Any, consumed: int, gbs: int):
         planned = self.rt.plan.microbatches * self.rt.args.micro_batch_size
@@ -32,8 +37,8 @@ class PlanEngine:
                              f"for {planned} samples")
         return microbatch_source(dataset, consumed, self.rt.args.micro_batch_size, self.device)
 
-    def train_step(self, consumed: int, gbs: int) -> Applied:
-        batches = self._batches(self.dataset, consumed, gbs)
+    def train_step(self, dataset: Any, consumed: int, gbs: int) -> Applied:
+        batches = self._batches(dataset, consumed, gbs)
         if self.rt.reroute is not None:
             return reroute_train(self.rt, batches)
         return hetero_train(self.rt, batches)

@@ -611,7 +611,7 @@ class RecoveryController:
             world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
             timeout_s=timeouts.rendezvous_s)
         self._keepalive()
-        trainer.use_engine(PlanEngine(runtime, trainer.train_data(), trainer.device),
+        trainer.use_engine(PlanEngine(runtime, trainer.device),
                            rank=rank, world_size=size, hints=hints)
 
     def _load_checkpoint(self, trainer: TrainerHandle) -> None:

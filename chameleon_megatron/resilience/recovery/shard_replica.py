@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
-from chameleon_megatron.resilience.dist_opt import Piece, owned, state_keys
 from chameleon_megatron.resilience.decision.layout import StateUnit
+from chameleon_megatron.resilience.dist_opt import Piece, owned, state_keys
 from chameleon_megatron.resilience.model_state import tied_embedding, unit_parameters
 from chameleon_megatron.resilience.recovery.run_state import RunState
 
