@@ -144,7 +144,7 @@ class AssembledUnits:
             sizes = copy.sizes(piece)
             chunks = copy.flat[offset:offset + sum(sizes)].split(sizes)
             offset += sum(sizes)
-            if self._keep and piece.unit not in self._keep or piece in self._placed:
+            if (self._keep and piece.unit not in self._keep) or piece in self._placed:
                 continue  # (a plan keeps the tied copy whole on each holder: the same piece)
             self._placed.add(piece)
             whole = _numel(piece.shape)

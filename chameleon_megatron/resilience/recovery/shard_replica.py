@@ -119,22 +119,21 @@ class ShardReplicas:
         """Copy, exchange around ``ring`` (a gloo group), commit (collective over it).
         ``partners``: the job ranks sharing this rank's units (None: the ring's)."""
         start = time.perf_counter()
-        dp = ring
-        world = dist.get_process_group_ranks(dp)
+        world = dist.get_process_group_ranks(ring)
         job = [world_to_job[w] for w in world]
         copy = collect(model, optimizer, rank=me, group=partners or tuple(job),
                        iteration=run.iteration)
-        ring = sorted(job)
+        order = sorted(job)
         replica = None
-        if len(ring) > 1:
-            k = ring.index(me)
-            after, before = ring[(k + 1) % len(ring)], ring[k - 1]
+        if len(order) > 1:
+            k = order.index(me)
+            after, before = order[(k + 1) % len(order)], order[k - 1]
             to, frm = world[job.index(after)], world[job.index(before)]
-            sends = _send(copy, to, dp)
-            replica = _recv(frm, dp)
+            sends = _send(copy, to, ring)
+            replica = _recv(frm, ring)
             for work in sends:
-                work.wait(groups.current_timeout(dp))
-            dist.all_reduce(torch.zeros(1), group=dp)  # everyone holds both: commit
+                work.wait(groups.current_timeout(ring))
+            dist.all_reduce(torch.zeros(1), group=ring)  # everyone holds both: commit
         self.own, self.replica, self.run = copy, replica, run
         self.seconds += time.perf_counter() - start
         logger.debug({"event": "shard_replica", "rank": me, "iteration": run.iteration,
