@@ -61,6 +61,16 @@ def check_ft_launch(args: argparse.Namespace) -> None:
                          "agent's (with it off, worker 0 hosts the store and dies with it)")
 
 
+def check_world(args: argparse.Namespace) -> None:
+    """A process count that cannot be a world: one line here, not a worker's traceback."""
+    nproc = str(args.nproc_per_node)
+    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+        raise ValueError(f"--nproc-per-node={nproc}: must be >= 1")
+    for bound in str(args.nnodes).split(":"):
+        if bound.lstrip("-").isdigit() and int(bound) < 1:
+            raise ValueError(f"--nnodes={args.nnodes}: every bound must be >= 1")
+
+
 def check_training_args(args: argparse.Namespace) -> None:
     """When the workers run this project's trainer on a known world size, check their
     arguments here: a mistake is one line before any worker starts, not one per worker."""
@@ -90,6 +100,7 @@ def worker_failure(exc: ChildFailedError) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     with user_errors(PROG):
+        check_world(args)
         ft = ft_config(args.training_script_args)
         if ft.enabled:
             check_ft_launch(args)

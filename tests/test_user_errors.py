@@ -140,6 +140,19 @@ def test_chameleon_run_checks_the_training_args_before_any_worker_starts(argv, e
     assert expected in line
 
 
+@pytest.mark.parametrize("launch,expected", [
+    (["--nproc-per-node", "0"], "--nproc-per-node=0: must be >= 1"),
+    (["--nproc-per-node", "2", "--nnodes", "0"], "--nnodes=0: every bound must be >= 1"),
+    (["--nproc-per-node", "2", "--nnodes", "0:2"], "--nnodes=0:2: every bound must be >= 1"),
+])
+def test_chameleon_run_refuses_an_empty_world(launch, expected):
+    for ft in ([], ["--chameleon-ft"]):
+        out = run_command([sys.executable, "-m", "chameleon_megatron.run", *launch, "-m",
+                           "chameleon_megatron.pretrain_gpt", *TINY, "--mock-data", *ft],
+                          timeout=120, check=False)
+        assert expected in _one_error_line(out, "chameleon-run")
+
+
 def test_chameleon_run_reports_a_failed_worker_in_one_line(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n"
