@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from chameleon_megatron.training.checkpoint_files import SHORT, check_files, damaged
 from chameleon_megatron.training.checkpoint_shapes import check_shapes
 from chameleon_megatron.training.rng import rng_state, set_rng_state
 
@@ -112,20 +113,26 @@ def latest_iteration(root: str | Path) -> int | None:
 def load_checkpoint(root: str, model, optimizer, scheduler, args, *, load_optim: bool = True,
                     load_rng: bool = True) -> Resumed | None:
     """Load the latest checkpoint under ``root`` into the current layout (None: none there);
-    ConfigError when its model has other global shapes (``checkpoint_shapes``)."""
+    ConfigError when its model has other global shapes (``checkpoint_shapes``) or a file is
+    missing, short or unreadable (``checkpoint_files``)."""
     iteration = latest_iteration(root)
     if iteration is None:
         logger.warning("no checkpoint found under %s: starting from scratch", root)
         return None
-    path = str(iteration_dir(root, iteration))
-    check_shapes(dist_checkpointing.load_tensors_metadata(path), _model_state(model), args,
-                 root)
-    common = dist_checkpointing.load_common_state_dict(path)
+    where = iteration_dir(root, iteration)
+    path = str(where)
+    check_files(where)
+    with damaged(where, "the tensors' metadata"):
+        saved = dist_checkpointing.load_tensors_metadata(path)
+    check_shapes(saved, _model_state(model), args, root)
+    with damaged(where, "the common state (common.pt)"):
+        common = dist_checkpointing.load_common_state_dict(path)
     same_layout = common.get("layout") == _layout()
     restore_rng = load_rng and same_layout
     state = _sharded_state(model, optimizer, is_loading=True, with_optimizer=load_optim,
                            rng_layout=_layout() if restore_rng else None)
-    loaded = dist_checkpointing.load(state, path)
+    with damaged(where, "a tensor shard", SHORT):
+        loaded = dist_checkpointing.load(state, path)
     for i, chunk in enumerate(model):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if load_optim:

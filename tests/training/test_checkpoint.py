@@ -82,3 +82,41 @@ def test_a_checkpoint_of_another_padded_vocabulary_is_refused_or_matched(tmp_pat
     fitted = run_trainer(2, TINY + vocab + tp2 + ["--make-vocab-size-divisible-by", "64"],
                          tmp_path, name="fitted")
     assert abs(losses(fitted)[0] - straight[2]) < 1e-5 * straight[2]
+
+
+def _damage_truncate(ckpt: Path) -> str:
+    shard = sorted(ckpt.glob("iter_*/*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return f"{shard.name} is truncated ("
+
+
+def _damage_remove(ckpt: Path) -> str:
+    shard = sorted(ckpt.glob("iter_*/*.distcp"))[0]
+    shard.unlink()
+    return f"{shard.name} is missing"
+
+
+def _damage_common(ckpt: Path) -> str:
+    common = next(ckpt.glob("iter_*/common.pt"))
+    common.write_bytes(common.read_bytes()[:40])
+    return "the common state (common.pt) is unreadable"
+
+
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_remove, _damage_common])
+def test_a_damaged_checkpoint_names_the_file_and_the_iteration(tmp_path, damage):
+    import sys
+
+    from dist_utils import run_command
+
+    argv = TINY + ["--train-iters", "2", "--lr-decay-iters", "2", "--lr-warmup-iters", "1"]
+    run_trainer(1, argv + ["--save", str(tmp_path / "saved"), "--save-interval", "2"],
+                tmp_path, name="saved")
+    ckpt = checkpoint_of(tmp_path / "saved", 2, tmp_path / "ckpt")
+    expected = damage(ckpt)
+    out = run_command([sys.executable, "-m", "chameleon_megatron.pretrain_gpt", *argv,
+                       "--train-iters", "3", "--load", str(ckpt)], timeout=200, check=False)
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert errors[0].startswith(f"chameleon-pretrain-gpt: error: checkpoint {ckpt}/iter_0000002: "
+                                f"{expected}"), errors
+    assert " iteration " not in out
