@@ -54,3 +54,13 @@ def test_other_stages_and_operators_do_not_match():
     index = MatchIndex(RECORDS)
     assert index.match(("F", 1, 0, 1), 0, 7, 4096, 0, 0) == -1
     assert index.match(S, 0, 5, 4096, 0, 0) == -1
+
+
+def test_a_size_class_change_at_the_same_position_is_not_a_strict_match():
+    """Same stage, position and operator but another size class and history: neither
+    lookup may take the profiled record (without the size class in the strict key, the
+    tensor would be swapped as record 1)."""
+    index = MatchIndex(RECORDS)
+    assert index.match(S, 1, 8, 4096, 7, 0) == 1  # the profiled size: strict match
+    assert index.match(S, 1, 8, 1 << 20, 9, 0) == -1
+    assert index.match(S, 1, 8, 4097, 9, 0) == 1  # 4097 is still in 4096's class

@@ -61,3 +61,15 @@ def test_a_joiner_waits_for_its_generation_or_the_end_of_the_job() -> None:
     job.mark_done()
     wait(9)
     assert got[9] is None
+
+
+def test_an_offer_belongs_to_its_generation() -> None:
+    """A rank that reads the offer of its generation never sees another generation's
+    (a late reader of generation 3 after generation 4 offered must still see 3's)."""
+    job = JobStore(dist.HashStore(), "run")
+    queue = JoinQueue(job)
+    queue.offer(3, (4,))
+    queue.offer(4, (5, 6))
+    assert queue.offered(3) == (4,)
+    assert queue.offered(4) == (5, 6)
+    assert JoinQueue(job).offered(3) == (4,)
