@@ -42,7 +42,9 @@ from rt_support import free_port, start_launcher, stop  # noqa: E402
 from chameleon_megatron.resilience.store.announce import read_failures
 from chameleon_megatron.resilience.store.job_store import JobStore
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900), pytest.mark.serial]
+# The waits below fail a job that records nothing for STALL_S; the test's own timeout is
+# only a backstop for a machine so slow that 200 steps take that long.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1800), pytest.mark.serial]
 def soak_job(test):
     """A soak job: a few minutes of 8 ranks; scripts/test.sh runs them (marker ``soak``)
     after the other tests, with CHAMELEON_SOAK=1."""
@@ -50,6 +52,8 @@ def soak_job(test):
         not os.environ.get("CHAMELEON_SOAK"), reason="soak jobs run with CHAMELEON_SOAK=1")(test))
 
 ITERS = 200
+STALL_S = 180
+"""Seconds without a new metrics record after which the job is taken as hung."""
 RANKS = 8
 NODES = 4
 PER_NODE = RANKS // NODES
@@ -187,17 +191,19 @@ def run_nodes(tmp: Path, plan: list[str], events: NodeEvents) -> tuple[list, dic
     logs = [tmp / f"log{g}" for g in range(NODES)] + [tmp / "log-join"]
     agents = [start_launcher([f"--node-rank={g}", *rdzv, *args], logs[g]) for g in range(NODES)]
     try:
-        _wait_for(lambda: _last_step(tmp) > events.join_after, agents, 300, "the join step")
+        _wait_for(lambda: _last_step(tmp) > events.join_after, agents, STALL_S, "join step",
+                  tmp)
         agents.append(start_launcher(["--nnodes=1", *rdzv[1:], *args, "--chameleon-ft-join"],
                                      logs[-1]))
-        _wait_for(lambda: _last_step(tmp) > events.kill_after, agents, 600, "the kill step")
+        _wait_for(lambda: _last_step(tmp) > events.kill_after, agents, STALL_S, "kill step",
+                  tmp)
         os.kill(agents[events.node].pid, signal.SIGKILL)
         job = JobStore.connect("127.0.0.1", port, "soak", timeout_s=60)
         others = [a for g, a in enumerate(agents) if g != events.node]
         _wait_for(lambda: any(f.reason == "node" for f in read_failures(job)), others, 120,
-                  f"node {events.node} announced lost")
+                  f"announcement of node {events.node} lost", tmp)
         for g, agent in enumerate(agents):
-            code = agent.wait(timeout=600)
+            code = _exit_code(agent, STALL_S, tmp)
             assert code == (-signal.SIGKILL if g == events.node else 0), (g, code, _tails(logs))
     finally:
         for agent in agents:
@@ -220,12 +226,31 @@ def _last_step(tmp: Path) -> int:
     return max(steps, default=0)
 
 
-def _wait_for(done, agents: list, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
+def _progress(tmp: Path) -> int:
+    """How far the job has got: the metrics file's size (every step and every recovery
+    appends a record)."""
+    metrics = tmp / "metrics.jsonl"
+    return metrics.stat().st_size if metrics.exists() else 0
+
+
+def _wait_for(done, agents: list, stall_s: float, what: str, tmp: Path) -> None:
+    """Wait until ``done()``; fail when the job records nothing new for ``stall_s`` seconds
+    (a deadline that restarts on progress: a slow machine is not a hung job) or when an agent
+    ends first."""
+    seen, deadline = _progress(tmp), time.monotonic() + stall_s
     while not done():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        now = _progress(tmp)
+        if now != seen:
+            seen, deadline = now, time.monotonic() + stall_s
+        assert time.monotonic() < deadline, f"no {what}: nothing recorded for {stall_s} s"
         assert all(a.poll() is None for a in agents), f"an agent ended before {what}"
         time.sleep(0.2)
+
+
+def _exit_code(agent, stall_s: float, tmp: Path) -> int:
+    """The agent's exit status, waiting while the job makes progress."""
+    _wait_for(lambda: agent.poll() is not None, [], stall_s, f"end of agent {agent.pid}", tmp)
+    return agent.poll()
 
 
 def _tails(logs: list[Path]) -> str:
