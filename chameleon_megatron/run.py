@@ -96,17 +96,27 @@ def worker_failure(exc: ChildFailedError) -> tuple[str, int]:
             f"code {first.exitcode}{others}; its output is above", first.exitcode or 1)
 
 
-@record
-def main(argv: list[str] | None = None) -> int:
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+def checked_launch(argv: list[str]) -> tuple[argparse.Namespace, ResilienceConfig]:
+    """torchrun's arguments and the job's ``ft`` section, checked before anything starts; a
+    mistake ends the process with one ``chameleon-run: error:`` line. With fault tolerance,
+    marks the environment as the agent's (the workers inherit it; the training arguments
+    are checked as theirs)."""
+    args = torchrun.parse_args(argv)
     with user_errors(PROG):
         check_world(args)
         ft = ft_config(args.training_script_args)
         if ft.enabled:
             check_ft_launch(args)
             os.environ[AGENT_ENV] = "1"
-            os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end with it
     check_training_args(args)
+    return args, ft
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args, ft = checked_launch(sys.argv[1:] if argv is None else argv)
+    if ft.enabled:
+        os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end with it
     # torchrun logs a failed worker at ERROR; the line printed below says the same.
     logging.getLogger(torch_seams.LAUNCH_API_LOGGER).addFilter(
         lambda record: "failed (exitcode" not in record.getMessage())

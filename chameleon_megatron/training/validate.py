@@ -18,7 +18,54 @@ def _need(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# dest -> (low, high, low included, high included); None: unbounded. NaN is in no range.
+RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "hidden_dropout": (0, 1, True, True),
+    "attention_dropout": (0, 1, True, True),
+    "init_method_std": (0, None, False, False),
+    "moe_aux_loss_coeff": (0, None, True, False),
+    "lr": (0, None, True, False),
+    "min_lr": (0, None, True, False),
+    "lr_warmup_init": (0, None, True, False),
+    "weight_decay": (0, None, True, False),
+    "clip_grad": (0, None, True, False),
+    "adam_beta1": (0, 1, True, False),
+    "adam_beta2": (0, 1, True, False),
+    "adam_eps": (0, None, False, False),
+    "sgd_momentum": (0, 1, True, False),
+    "distributed_timeout_minutes": (0, None, False, False),
+    "make_vocab_size_divisible_by": (1, None, True, False),
+    "num_query_groups": (1, None, True, False),
+    "kv_channels": (1, None, True, False),
+    "ffn_hidden_size": (1, None, True, False),
+    "moe_ffn_hidden_size": (1, None, True, False),
+    "eval_iters": (0, None, True, False),
+}
+
+
+def _in_range(value: float, low: float | None, high: float | None, low_in: bool,
+              high_in: bool) -> bool:
+    above = low is None or (value >= low if low_in else value > low)
+    below = high is None or (value <= high if high_in else value < high)
+    return above and below
+
+
+def _interval(low: float | None, high: float | None, low_in: bool, high_in: bool) -> str:
+    if high is None:
+        return f"must be {'>=' if low_in else '>'} {low}"
+    return f"must be in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for dest, bounds in RANGES.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            _need(_in_range(value, *bounds),
+                  f"--{dest.replace('_', '-')}={value}: {_interval(*bounds)}")
+
+
 def _check_model(args: argparse.Namespace) -> None:
+    _check_ranges(args)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         value = getattr(args, flag)
         _need(value is not None and value > 0,

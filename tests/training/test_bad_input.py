@@ -50,6 +50,22 @@ def test_layout_and_batch_errors(argv, pattern):
         _validate(argv)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--adam-beta1", "-1"], "--adam-beta1=-1.0: must be in [0, 1)"),
+    (["--attention-dropout", "3"], "--attention-dropout=3.0: must be in [0, 1]"),
+    (["--sgd-momentum", "nan"], "--sgd-momentum=nan: must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps=0.0: must be > 0"),
+    (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups=0: must be >= 1"),
+    (["--make-vocab-size-divisible-by", "-1"], "--make-vocab-size-divisible-by=-1: must be >= 1"),
+])
+def test_values_out_of_range_are_refused(argv, message):
+    """Each of these passed the checks before (found by tests/test_fuzz_inputs.py) and
+    failed later, deep in megatron, or trained with a meaningless value."""
+    with pytest.raises(ConfigError) as exc:
+        _validate(argv)
+    assert str(exc.value) == message
+
+
 def test_unknown_and_unsupported_megatron_flags():
     with pytest.raises(UserError, match="unrecognized argument --no-such-flag"):
         parse_args(GOOD + ["--no-such-flag", "1"])
