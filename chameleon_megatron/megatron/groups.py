@@ -80,9 +80,10 @@ def data_parallel_gloo() -> dist.ProcessGroup:
 def destroy() -> None:
     """Tear down megatron's parallel state and the default group. With NCCL this waits for
     the work queued on each communicator: after a failure, leave through
-    ``teardown.Teardown.leave``, which aborts them first. Megatron's state is reset even when its groups are not all set (a layout megatron cannot
-    express leaves some, and the global memory buffer, behind): the next uniform layout's
-    initialization refuses anything left over."""
+    ``teardown.Teardown.leave``, which aborts them first. Megatron's state is reset even
+    when its groups are not all set (a layout megatron cannot express leaves some, and the
+    global memory buffer, behind): the next uniform layout's initialization refuses anything
+    left over."""
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
