@@ -18,7 +18,7 @@ CHECK is one of:
   back at its baseline (with and without expandable segments: ``gpu_validate.py`` runs both).
 * ``nccl_abort``: two ranks when two GPUs exist (a rank blocked on a live peer returns when
   its communicators are aborted), else one rank: the communicators aborted from a thread,
-  then ``destroy_process_group`` and a new world.
+  then the groups left as a recovery leaves them (``Teardown.leave``) and a new world.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (gloo, the synchronous copier), so
 CI keeps every check from rotting; its figures mean nothing.
@@ -310,18 +310,19 @@ def nccl_abort(dry_run: bool) -> dict[str, Any]:
 
 def _abort_one_rank(backend: str) -> dict[str, Any]:
     from chameleon_megatron.megatron import groups
+    from chameleon_megatron.megatron.teardown import Teardown
 
     groups.init_from_launcher(rank=0, world_size=1, backend=backend, timeout_s=60)
     dist.new_group([0])
     done: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: done.setdefault("aborted",
-                                                             groups.abort_communicators()))
+    teardown = Teardown(backend, None)  # no job store: no connection is shut down
+    thread = threading.Thread(target=lambda: done.setdefault("aborted", teardown.interrupt()))
     start = time.monotonic()
     thread.start()
     thread.join(timeout=30)
     done["abort_s"] = time.monotonic() - start
     start = time.monotonic()
-    groups.destroy()
+    teardown.leave()
     done["destroy_s"] = time.monotonic() - start
     groups.init_from_launcher(rank=0, world_size=1, backend=backend, timeout_s=60)
     t = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
@@ -351,6 +352,7 @@ def _abort_two_ranks() -> dict[str, Any]:
 
 def _blocked_rank(rank: int, port: int, out: Any) -> None:
     from chameleon_megatron.megatron import groups
+    from chameleon_megatron.megatron.teardown import Teardown
 
     torch.cuda.set_device(rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -360,7 +362,7 @@ def _blocked_rank(rank: int, port: int, out: Any) -> None:
         time.sleep(8)
         out.put((0, None))
         return
-    threading.Timer(1.0, groups.abort_communicators).start()
+    threading.Timer(1.0, Teardown("nccl", None).interrupt).start()
     start = time.monotonic()
     try:
         t = torch.zeros(1, device="cuda")

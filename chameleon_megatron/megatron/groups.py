@@ -17,7 +17,7 @@ import socket
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from chameleon_megatron.megatron import torch_seams, transport
+from chameleon_megatron.megatron import torch_seams
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,12 @@ def data_parallel_gloo() -> dist.ProcessGroup:
 
 
 def destroy() -> None:
-    """Tear down megatron's parallel state and the default group (safe with a dead peer).
-    Megatron's state is reset even when its groups are not all set (a layout megatron cannot
-    express leaves some, and the global memory buffer, behind): the next uniform layout's
-    initialization refuses anything left over."""
+    """Tear down megatron's parallel state and the default group. With NCCL this waits for
+    the work queued on each communicator: after a failure, leave through
+    ``teardown.Teardown.leave``, which aborts them first. Megatron's state is reset even
+    when its groups are not all set (a layout megatron cannot express leaves some, and the
+    global memory buffer, behind): the next uniform layout's initialization refuses anything
+    left over."""
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -100,31 +102,6 @@ def current_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelt
     """The collective timeout ``group`` (default: the world's) has now. gloo's point-to-point
     waits keep the timeout the group was created with unless given this one explicitly."""
     return torch_seams.group_timeout(group or dist.group.WORLD)
-
-
-def interrupt(backend: str, store_port: int | None) -> int:
-    """Make every operation blocked in this process's groups return now, with an error:
-    NCCL communicators are aborted; gloo connections are shut down, all but the job store's
-    (at ``store_port``; None: it cannot be told apart, nothing is shut down). Returns how
-    many communicators or connections."""
-    if backend == "nccl":
-        return abort_communicators()
-    if store_port is None:
-        return 0
-    return transport.close_connections({store_port})
-
-
-def abort_communicators() -> int:
-    """Abort every NCCL communicator, so that collectives blocked on a dead peer return with
-    an error; returns how many were aborted. Safe while another thread destroys groups."""
-    nccl = []
-    for group in torch_seams.registered_groups():
-        try:
-            if dist.get_backend(group) == "nccl":
-                nccl.append(group)
-        except (ValueError, RuntimeError):  # destroyed meanwhile by the main thread
-            continue
-    return torch_seams.abort_together(nccl)
 
 
 def unregistered_gloo_group(store: dist.Store, rank: int, size: int, *,

@@ -62,6 +62,15 @@ def storage_users(t: torch.Tensor) -> int:
     return use_count(storage._cdata) - 1  # less the storage object just taken
 
 
+def check_abort(group_class: type = dist.ProcessGroup) -> None:
+    """Refuse a torch whose process groups cannot be aborted (``ProcessGroup.abort`` came
+    with torch 2.7): an NCCL collective blocked on a dead peer could not be interrupted."""
+    if not callable(getattr(group_class, "abort", None)):
+        raise TorchSeamError(f"torch {torch.__version__}: ProcessGroup.abort is missing (torch "
+                             "2.7 added it); fault tolerance over NCCL needs it to interrupt a "
+                             "collective blocked on a dead peer: use torch >= 2.7, or gloo")
+
+
 def abort_together(nccl_groups: list[Any]) -> int:
     """Abort NCCL groups inside one ``ncclGroupStart``/``ncclGroupEnd`` (as torch's own
     ``_abort_process_group`` does for the world): aborted one at a time, one communicator's

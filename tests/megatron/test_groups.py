@@ -1,4 +1,5 @@
-"""The group builder in one process: world, megatron layout, timeouts, NCCL-only abort."""
+"""The group builder in one process (world, megatron layout, timeouts), and the teardown
+that interrupts a peer blocked on this rank."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from megatron.core import parallel_state
 
 from chameleon_megatron.megatron import groups, torch_seams
 from chameleon_megatron.megatron.platform import cpu_platform
+from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.detector import FailureDetector
 from chameleon_megatron.resilience.store.heartbeat import read_beats
@@ -28,7 +30,7 @@ def test_build_use_and_tear_down_a_world() -> None:
             assert parallel_state.get_data_parallel_world_size() == 1
             n = groups.set_timeouts(1.5)
             assert n == len(torch_seams.registered_groups()) > 5  # the world and megatron's groups
-            assert groups.abort_communicators() == 0  # gloo has none to abort
+            assert Teardown("gloo", None).interrupt() == 0  # no NCCL; no store port: no shutdown
             _detector_derives_timeouts_once_steps_are_measured()
             with pytest.raises(ValueError, match="timeout=0 s: must be > 0"):
                 groups.set_timeouts(0)
@@ -52,9 +54,9 @@ def _detector_derives_timeouts_once_steps_are_measured() -> None:
     assert detector.timeouts.pg_s == 50 and read_beats(job, [0])[0].timeout_s == 100
 
 
-def _blocked_peer(rank: int, port: int, out) -> None:
-    """Rank 0 waits in a recv from rank 1 (alive, in a group with a 60 s timeout); rank 1
-    leaves the world and interrupts its transport instead of sending."""
+def _blocked_peer(rank: int, port: int, backend: str, out) -> None:
+    """Rank 0 waits in a recv from rank 1 (alive, in a gloo group with a 60 s timeout); rank 1
+    leaves the world (``Teardown.leave`` of a job on ``backend``) instead of sending."""
     import datetime
     import time
 
@@ -68,8 +70,8 @@ def _blocked_peer(rank: int, port: int, out) -> None:
     if rank == 1:
         held = dist.group.WORLD  # as a model holds its groups: destroy alone closes nothing
         time.sleep(0.5)
-        groups.destroy()
-        out.put(("interrupted", groups.interrupt("gloo", port)))
+        out.put(("interrupted", Teardown(backend, port).leave()))
+        assert not dist.is_initialized()
         store.set("after", "1")  # the store survives
         store.wait(["seen"], datetime.timedelta(seconds=30))  # alive until rank 0 is done
         del held
@@ -85,20 +87,24 @@ def _blocked_peer(rank: int, port: int, out) -> None:
         groups.destroy()
 
 
-def test_interrupting_gloo_makes_a_peer_blocked_on_a_live_rank_raise_at_once() -> None:
+@pytest.mark.timeout(180)  # two spawned interpreters importing megatron on a loaded machine
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_leaving_makes_a_peer_blocked_on_a_live_rank_raise_at_once(backend: str) -> None:
     """gloo's abort/shutdown/destroy leave an op blocked on a live peer waiting for the
     group's timeout; shutting the leaving rank's connections down ends it within a second
-    (and the job store's connection stays usable)."""
+    (and the job store's connection stays usable). In an NCCL job too: the shard copies
+    and the recovery travel over gloo."""
     import multiprocessing
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_blocked_peer, args=(r, server.port, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_blocked_peer, args=(r, server.port, backend, out))
+             for r in (0, 1)]
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=45) for _ in procs)
+        results = dict(out.get(timeout=150) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import time
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import (
     RecoveryDecision,
@@ -146,14 +146,15 @@ class RecoveryController:
     def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
                  ft: ResilienceConfig, me: int, plan: Plan | None, backend: str,
                  swap_bandwidth_Bps: float = 0.0, plans_refused: str | None = None,
-                 shards: ShardReplicas | None = None) -> None:
+                 shards: ShardReplicas | None = None, teardown: Teardown | None = None) -> None:
         """``plan``: the layout launched, over launch ranks (None: this process joins a
         running job and learns the layout when admitted). ``swap_bandwidth_Bps``: the job
         swaps activations (``--chameleon-swap``) at this bandwidth, so a layout whose stages
         are over device memory may swap to fit (0: it does not swap). ``plans_refused``: why
         the trainer cannot run the plan runtime (then every recovery re-plans to a megatron
         layout); None: it can. ``shards``: the job uses the distributed optimizer, whose
-        state is recovered from these copies (``refresh_shards``)."""
+        state is recovered from these copies (``refresh_shards``). ``teardown``: how this
+        process leaves its groups (default: torch's, keeping the job store's connections)."""
         self.job = job
         self.shards = shards
         self.detector = detector
@@ -186,9 +187,9 @@ class RecoveryController:
         self.last_regroup_s: float | None = None
         self.longest_recovery_s = 0.0
         """The longest recovery so far (its waits' scale on this machine)."""
-        self.interrupt = functools.partial(groups.interrupt, backend, job.port)
-        """Makes an operation blocked in the current world return (peers' too)."""
-        self.watcher = AbortWatcher(job, abort=self.interrupt)
+        self.teardown = teardown or Teardown(backend, job.port)
+        """Interrupts and leaves this process's groups, for the watcher's thread too."""
+        self.watcher = AbortWatcher(job, abort=self.teardown.interrupt)
         """Started by ``watch`` (a thread: whoever starts it stops it with ``close``)."""
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
@@ -283,11 +284,12 @@ class RecoveryController:
 
     def _leave_step(self, trainer: TrainerHandle, cause: str, abandoned: float,
                     timeouts: Timeouts) -> StepAction:
-        # Leave the old world now: peers still blocked on this rank in the abandoned step
-        # see their connections close instead of waiting out the groups' creation timeout.
+        # Leave the old world now, whatever the watcher did: NCCL communicators aborted
+        # (destroying them would wait for the abandoned step's work), connections shut
+        # down (peers blocked on this rank see them close instead of waiting out a gloo
+        # timeout; the old model still holds its groups), then the groups destroyed.
         self._keepalive()
-        groups.destroy()
-        self.interrupt()  # the connections the old model still holds, too
+        self.teardown.leave()
         self._completed = trainer.iteration
         held = Held.of(trainer, self.rng_for_redo(trainer.iteration), self.shards)
         self._cause, self._invited = cause, ()
@@ -430,6 +432,8 @@ class RecoveryController:
                 # Every member still in this attempt leaves it, and all meet again under the
                 # next generation with longer windows (a slow peer is not a failed one).
                 self.job.store.set(_retry_key(self.generation), str(self.me))
+                self._keepalive()
+                self.teardown.leave()  # its groups: the others' watchers abort them
                 if not self._new_failure_since(before, SLOW_PEER_WAIT_S):
                     retries += 1
                     if retries > self.ft.recovery_retries:

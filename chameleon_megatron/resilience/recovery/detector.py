@@ -4,9 +4,9 @@ announcements of the agents, and telling a peer's failure from a local error.
 How a survivor learns of a failure: a collective or p2p op with the dead rank raises within
 ~0.05 s (gloo: connection closed); one blocked on a live peer raises at the process-group
 timeout, so that timeout is derived from the step time instead of megatron's 30 minutes; and a
-watcher thread interrupts the communication when a failure is announced (NCCL: aborts the
-communicators; gloo: shuts the connections down), which makes a blocked operation return at
-once.
+watcher thread interrupts the communication when a failure is announced (aborts the NCCL
+communicators, then shuts the connections gloo runs over down), which makes a blocked
+operation return at once.
 """
 
 from __future__ import annotations
@@ -254,8 +254,9 @@ class AbortWatcher:
     """A thread that interrupts this process's communication when a new failure or abandoned
     step is announced: an operation blocked on a peer that left (or died without its
     connections closing) otherwise waits for the group's full timeout. ``abort``:
-    ``groups.interrupt`` for the backend (NCCL: abort the communicators; gloo: shut its
-    connections down).
+    ``Teardown.interrupt`` (NCCL communicators aborted, then every connection but the job
+    store's shut down), whose lock keeps it from interleaving with the main thread's
+    ``Teardown.leave``.
 
     The main thread ``acknowledge``s the events it handles before it builds new groups, so
     that only later events (a failure during a recovery) interrupt those. During a recovery
