@@ -252,9 +252,10 @@ class GradSync:
             _finish(_launch([self._tied], self._tied_group))
         if self._sequence_parallel is not None:
             _finish(_launch(*self._sequence_parallel))
-        # on the device, no host read: fp32(1 / tokens) times each gradient, as with a float
+        # on the device, no host read: fp32(1 / tokens) times each (fp32) main gradient, the
+        # bits a host float gave; one dtype, so CUDA's fused path takes it
         torch._foreach_mul_([p.main_grad for p in self.model.parameters()],
-                            tokens.reciprocal().squeeze())
+                            tokens.reciprocal().to(torch.float32).squeeze())
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug({"event": "grad_sync", "rank": self.me, "tokens": tokens.item(),
                           "rounds": self.performed, "tied": self._tied_group is not None})
