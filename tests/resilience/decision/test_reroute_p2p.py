@@ -129,3 +129,20 @@ def test_every_planner_plan_and_failure_runs_without_buffering() -> None:
     assert sum(not plan.is_uniform for plan, _ in plans) >= 20  # mixed depths and shares
     cases = sum(check_plan(plan, profile) for plan, profile in plans)
     assert cases > 900
+
+
+def test_the_runtime_runs_these_programs() -> None:
+    """``rerouted`` takes each rank's program from ``plan_programs`` (what the model ran),
+    and evaluates its forward part."""
+    from types import SimpleNamespace
+
+    from chameleon_megatron.resilience.execution.rerouted import rerouted_program
+
+    plan = UniformLayout(tp=2, pp=2, dp=2).to_plan(4, 8)
+    rp = plan_reroute(plan, [0], make_profile(4, gbs=8, tp=2))
+    progs = plan_programs(plan, rp, microbatch_ids(plan))
+    for me in plan.ranks():
+        rt = SimpleNamespace(plan=plan, reroute=rp, me=me)
+        assert rerouted_program(rt) == progs.get(me, ())  # type: ignore[arg-type]
+    # rank 2 runs both pipelines' first stage (at its TP index 0): sends to both peers
+    assert {m.dst for s in progs[2] if isinstance(s, Exchange) for m in s.sends} == {4, 6}
