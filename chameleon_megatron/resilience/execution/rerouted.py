@@ -8,7 +8,8 @@ survivor keeps its stage. Each op uses megatron-core's own ``forward_step`` and
 activations and gradients travel between the ranks of each microbatch's route in the
 program's batches of point-to-point messages over the world group (``batch_isend_irecv``:
 deadlock-free on NCCL, whose sends are not buffered). A received tensor is waited for only
-when an op uses it (on NCCL the wait orders the streams, the host runs on). Then the
+when an op uses it (on NCCL the wait orders the streams and the host runs on; gloo, with a
+work per message, waits for that message alone). Then the
 per-layer gradient sync over the live holders, and the optimizer step: the same computation
 as the failure-free step.
 """
@@ -86,23 +87,27 @@ def reroute_eval(rt: PlanRuntime, batches: Batches) -> tuple[float | None, int]:
 
 @dataclass
 class _Batch:
-    """One posted ``Exchange``: its works, and its tensors kept alive until they complete."""
+    """One posted ``Exchange``: its works (one per op, or NCCL's one for the whole batch),
+    and its tensors, kept alive until they complete."""
 
     works: list[dist.Work]
     tensors: list[torch.Tensor]
-    waited: bool = field(default=False)
+    waited: set[int] = field(default_factory=set)
 
-    def wait(self) -> None:
-        """gloo's waits keep the timeout the world was created with (start-up's) unless
-        given the current one."""
-        if not self.waited:
-            timeout = groups.current_timeout()
-            for work in self.works:
-                work.wait(timeout)
-            self.waited = True
+    def wait(self, op: int | None = None) -> None:
+        """Wait for op ``op`` of the batch (None: all of it); a batch without a work per op
+        (NCCL's) waits whole. gloo's waits keep the timeout the world was created with
+        (start-up's) unless given the current one."""
+        whole = op is None or len(self.works) != len(self.tensors)
+        ops = range(len(self.works)) if whole else [op]
+        timeout = groups.current_timeout()
+        for k in ops:
+            if k not in self.waited:
+                self.works[k].wait(timeout)
+                self.waited.add(k)
 
     def done(self) -> bool:
-        return self.waited or all(w.is_completed() for w in self.works)
+        return all(k in self.waited or w.is_completed() for k, w in enumerate(self.works))
 
 
 class _Runner:
@@ -119,7 +124,8 @@ class _Runner:
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.last = rt.gpt.post_process
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.inbox: dict[tuple[str, int], tuple[torch.Tensor, _Batch]] = {}
+        self.inbox: dict[tuple[str, int], tuple[torch.Tensor, _Batch, int]] = {}
+        """(kind, microbatch) -> buffer, its batch and its op's index there."""
         self.outbox: dict[tuple[str, int], torch.Tensor] = {}
         self.flight: list[_Batch] = []
         self.reports: list[dict] = []
@@ -162,19 +168,19 @@ class _Runner:
         received = []
         for m in ex.recvs:
             buf = torch.empty(self.shape, dtype=self.config.pipeline_dtype, device=self.device)
+            received.append(((m.kind, m.microbatch), buf, len(ops)))
             ops.append(dist.P2POp(dist.irecv, buf, world[m.src]))
-            received.append(((m.kind, m.microbatch), buf))
         batch = _Batch(dist.batch_isend_irecv(ops), [op.tensor for op in ops])
-        for key, buf in received:
-            self.inbox[key] = (buf, batch)
+        for key, buf, index in received:
+            self.inbox[key] = (buf, batch, index)
         self.flight = [b for b in self.flight if not b.done()] + [batch]
 
     def _take(self, op: Op, *, requires_grad: bool) -> torch.Tensor | None:
         """The input ``op`` receives, once its batch has completed (None: it receives none)."""
         if op.recv is None:
             return None
-        buf, batch = self.inbox.pop((op.kind, op.microbatch))
-        batch.wait()
+        buf, batch, index = self.inbox.pop((op.kind, op.microbatch))
+        batch.wait(index)
         return buf.requires_grad_(requires_grad)
 
     def drain(self) -> None:
