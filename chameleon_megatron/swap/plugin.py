@@ -16,7 +16,6 @@ import logging
 from typing import Any, Callable, ContextManager
 
 import torch
-import torch.distributed as dist
 
 from chameleon_megatron.configurable import check
 from chameleon_megatron.megatron.swap_seams import SwapSeams
@@ -28,6 +27,7 @@ from chameleon_megatron.swap.executor import SwapExecutor
 from chameleon_megatron.swap.hostpool import HostPool
 from chameleon_megatron.swap.manager import SwapManager
 from chameleon_megatron.swap.stage import StageTracker
+from chameleon_megatron.swap.stage_figures import StageFigures
 from chameleon_megatron.swap.summary import summary_table
 from chameleon_megatron.swap.threshold import bandwidth_threshold
 from chameleon_megatron.training.plugin import (
@@ -105,7 +105,8 @@ class SwapPlugin(TrainerPlugin):
         self.manager: SwapManager | None = None
         self.seams: SwapSeams | None = None
         self.rank = 0
-        self._stage, self._stages, self._pipeline = 0, 1, None
+        self._stage = 0
+        self._figures: StageFigures | None = None
         self._step_rng: dict[str, Any] | None = None
         self._launch_pp_size: int | None = None
         """Pipeline depth of the first build (a recovery may change it later)."""
@@ -134,7 +135,8 @@ class SwapPlugin(TrainerPlugin):
                                               cache_bytes=cfg.host_cache_bytes),
                                 min_bytes=first_threshold(cfg, bandwidth), exclude=held)
         self.rank = ctx.rank
-        self._stage, self._stages, self._pipeline = ctx.pp_rank, ctx.pp_size, ctx.pipeline_group
+        self._stage = ctx.pp_rank
+        self._figures = StageFigures(ctx.pipeline_group, ctx.pp_size)
         # One rank per stage logs its records: the others of the stage have the same.
         speaks = ctx.dp_rank == 0 and ctx.tp_rank == 0
         self.manager = SwapManager(cfg, executor, budget=spec, bandwidth_bps=bandwidth,
@@ -157,17 +159,14 @@ class SwapPlugin(TrainerPlugin):
 
     def metrics(self) -> dict[str, Any]:
         """This rank's figures, with every stage's of its pipeline under ``stages`` (the
-        budgets are per stage; one small all-gather over the pipeline, every rank)."""
-        if self.manager is None or not self.manager.last_metrics:
+        budgets are per stage; gathered over the pipeline when some changed,
+        ``stage_figures``)."""
+        if self.manager is None or not self.manager.last_metrics or self._figures is None:
             return {}
         figures = dict(self.manager.last_metrics)
         mine = {"stage": self._stage, "rank": self.rank,
                 **{k: figures[k] for k in STAGE_FIELDS}}
-        stages = [mine]
-        if self._pipeline is not None and self._stages > 1:
-            stages = [None] * self._stages
-            dist.all_gather_object(stages, mine, group=self._pipeline)
-        return {"swap": {**figures, "stages": stages}}
+        return {"swap": {**figures, "stages": self._figures.gather(mine)}}
 
     def on_step_failed(self, exc: BaseException,
                        trainer: TrainerHandle) -> StepAction | None:

@@ -10,8 +10,9 @@ Each rank's order of operations comes from a unit-time simulation of the whole s
 scheduling, pure): a rank runs a ready backward first, else its next ready forward while it
 holds fewer microbatches than 1F1B allows at its stage (depth - stage), so memory stays at
 1F1B's. A rank takes messages from each sender in the order they were sent (as NCCL needs).
-The simulation is itself an execution, so ranks that follow their orders with blocking
-receives and non-blocking sends cannot deadlock.
+The simulation is itself an execution, but one whose sends are buffered; NCCL's are not
+(a send completes when its receive is posted), so the runtime follows the per-rank programs
+of ``reroute_program``, which post each unit step's messages as one batch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
@@ -65,6 +66,14 @@ def rank_ops(plan: Plan, reroute: ReroutePlan, ids: Sequence[Sequence[int]],
     """``me``'s operations: those of its stage (``schedule`` over ``routes``), exchanged
     with the ranks of the same TP index in the neighbouring stages (at tp > 1 every rank of
     a stage runs the stage's ops, and each carries the whole activation)."""
+    leader, peer = tp_peers(plan, me)
+    ops = schedule(routes(plan, reroute, ids)).get(leader, ())
+    return tuple(dataclasses.replace(op, recv=peer(op.recv), send=peer(op.send)) for op in ops)
+
+
+def tp_peers(plan: Plan, me: int) -> tuple[int, Callable[[int | None], int | None]]:
+    """The rank of TP index 0 of ``me``'s stage (the schedule names stages by it), and the
+    map from such a rank to the rank of ``me``'s TP index in that stage."""
     stage_of = {r: st.ranks for pipe in plan.pipelines for st in pipe.stages for r in st.ranks}
     ranks = stage_of[me]
     i = ranks.index(me)
@@ -72,12 +81,17 @@ def rank_ops(plan: Plan, reroute: ReroutePlan, ids: Sequence[Sequence[int]],
     def peer(rank: int | None) -> int | None:
         return None if rank is None else stage_of[rank][i]
 
-    ops = schedule(routes(plan, reroute, ids)).get(ranks[0], ())
-    return tuple(dataclasses.replace(op, recv=peer(op.recv), send=peer(op.send)) for op in ops)
+    return ranks[0], peer
 
 
 def schedule(route_of: Mapping[int, Sequence[int]]) -> dict[int, tuple[Op, ...]]:
     """Every rank's operations in order (see the module docstring)."""
+    return {rank: tuple(op for _, op in timed) for rank, timed in timed_schedule(route_of).items()}
+
+
+def timed_schedule(route_of: Mapping[int, Sequence[int]]) -> dict[int, tuple[tuple[int, Op], ...]]:
+    """Every rank's operations in order, each with the unit time step the simulation ran it
+    in: a message sent in step t is received in a later step."""
     todo: dict[int, list[tuple[int, int]]] = {}  # rank -> (microbatch, stage) of its forwards
     for g in sorted(route_of):
         for s, rank in enumerate(route_of[g]):
@@ -86,8 +100,9 @@ def schedule(route_of: Mapping[int, Sequence[int]]) -> dict[int, tuple[Op, ...]]
     cap = {rank: min(len(route_of[g]) - s for g, s in work) for rank, work in todo.items()}
     links: dict[tuple[int, int], deque[tuple[str, int]]] = {}
     held: dict[int, list[int]] = {rank: [] for rank in todo}  # microbatches forwarded, not back
-    order: dict[int, list[Op]] = {rank: [] for rank in todo}
+    order: dict[int, list[tuple[int, Op]]] = {rank: [] for rank in todo}
     remaining = sum(2 * len(work) for work in todo.values())
+    tick = 0
     while remaining:
         chosen = {rank: _pick(rank, todo[rank], held[rank], cap[rank], route_of, links)
                   for rank in todo}
@@ -97,8 +112,9 @@ def schedule(route_of: Mapping[int, Sequence[int]]) -> dict[int, tuple[Op, ...]]
             if op is None:
                 continue
             _apply(rank, op, todo[rank], held[rank], links)
-            order[rank].append(op)
+            order[rank].append((tick, op))
             remaining -= 1
+        tick += 1
     return {rank: tuple(ops) for rank, ops in order.items()}
 
 

@@ -182,6 +182,7 @@ class GradSync:
         self._final = True
         """Whether the backward pass running now is the step's last (see ``no_sync``)."""
         self._hooks = self._hook_accumulation() if overlap else []
+        self._norm_layout: _NormLayout | None = None
         self.reset()
         self.performed: list[tuple[int, tuple[int, ...]]] = []
         """(round, plan ranks of the group) of each all-reduce of the last call."""
@@ -251,11 +252,13 @@ class GradSync:
             _finish(_launch([self._tied], self._tied_group))
         if self._sequence_parallel is not None:
             _finish(_launch(*self._sequence_parallel))
-        scale = 1.0 / tokens.item()
-        for p in self.model.parameters():
-            p.main_grad.mul_(scale)
-        logger.debug({"event": "grad_sync", "rank": self.me, "tokens": tokens.item(),
-                      "rounds": self.performed, "tied": self._tied_group is not None})
+        # on the device, no host read: fp32(1 / tokens) times each (fp32) main gradient, the
+        # bits a host float gave; one dtype, so CUDA's fused path takes it
+        torch._foreach_mul_([p.main_grad for p in self.model.parameters()],
+                            tokens.reciprocal().to(torch.float32).squeeze())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug({"event": "grad_sync", "rank": self.me, "tokens": tokens.item(),
+                          "rounds": self.performed, "tied": self._tied_group is not None})
 
     def _params_of(self, units: Sequence[StateUnit]) -> list[torch.nn.Parameter]:
         return [p for _, p in unit_params(self._units, units, self._tied)]
@@ -263,15 +266,51 @@ class GradSync:
     def grad_norm(self) -> float:
         """L2 norm of the global gradient: each unit's shard at each TP index once (a
         parameter replicated over the TP group, not sharded, counts at index 0 only), the
-        tied weight once."""
-        order = sorted(self.spec.owners, key=lambda key: (unit_order(key[0]), key[1]))
-        squares = torch.zeros(len(order), dtype=torch.float64, device=reduction_device())
-        for k, (u, i) in enumerate(order):
-            if self.spec.owners[(u, i)] == self.me:
-                params = self._params_of([u])
-                if u == EMBEDDING and self._tied is not None and self.model.pre_process:
-                    params.append(self._tied)
-                squares[k] = sum(float(p.main_grad.double().square().sum()) for p in params
-                                 if i == 0 or getattr(p, "tensor_model_parallel", False))
+        tied weight once. One fused norm over this rank's counted gradients (fp64 sums, on
+        the device), one all-reduce, one host read."""
+        layout = self._norm_layout or self._lay_out_norm()
+        squares = torch.zeros(layout.entries, dtype=torch.float64, device=reduction_device())
+        if layout.params:
+            grads = [p.main_grad for p in layout.params]
+            per = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square()
+            # a row per unit, summed: no atomics, so the same bits every run
+            table = per.new_zeros(layout.entries, layout.width)
+            table[layout.rows, layout.cols] = per
+            squares = table.sum(dim=1)
         dist.all_reduce(squares)
         return math.sqrt(float(squares.sum()))
+
+    def _lay_out_norm(self) -> "_NormLayout":
+        """Which gradients this rank counts, and where (fixed for the sync's life)."""
+        order = sorted(self.spec.owners, key=lambda key: (unit_order(key[0]), key[1]))
+        rows: list[int] = []
+        cols: list[int] = []
+        counted: list[torch.nn.Parameter] = []
+        for k, (u, i) in enumerate(order):
+            if self.spec.owners[(u, i)] != self.me:
+                continue
+            params = self._params_of([u])
+            if u == EMBEDDING and self._tied is not None and self.model.pre_process:
+                params.append(self._tied)
+            mine = [p for p in params if i == 0 or getattr(p, "tensor_model_parallel", False)]
+            rows += [k] * len(mine)
+            cols += range(len(mine))
+            counted += mine
+        device = reduction_device()
+        self._norm_layout = _NormLayout(
+            entries=len(order), params=counted, width=max(cols, default=0) + 1,
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            cols=torch.tensor(cols, dtype=torch.long, device=device))
+        return self._norm_layout
+
+
+@dataclass(frozen=True)
+class _NormLayout:
+    """The gradients a rank counts in the norm: parameter n's squared norm goes to entry
+    ``rows[n]`` of the vector summed over the world (``entries`` long), at ``cols[n]``."""
+
+    entries: int
+    params: list[torch.nn.Parameter]
+    width: int
+    rows: torch.Tensor
+    cols: torch.Tensor

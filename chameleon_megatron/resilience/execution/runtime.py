@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from chameleon_megatron.megatron import plan_seams
@@ -33,7 +34,11 @@ from chameleon_megatron.resilience.decision.placement import (
 )
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.decision.restorer import AllReduceGroup
-from chameleon_megatron.resilience.execution.grad_sync import GradSync, sync_spec
+from chameleon_megatron.resilience.execution.grad_sync import (
+    GradSync,
+    reduction_device,
+    sync_spec,
+)
 from chameleon_megatron.resilience.execution.plan_groups import PlanGroups, build_plan_groups
 from chameleon_megatron.resilience.execution.stage_model import build_stage_model, seed_stage
 from chameleon_megatron.resilience.model_state import unwrap
@@ -137,6 +142,10 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     model.config.finalize_model_grads_func = sync
     model.config.no_sync_func = sync.no_sync if args.overlap_grad_reduce else None
     model.config.grad_scale_func = None
+    if reroute is not None:
+        # rerouted steps batch their messages over the world group (``rerouted``); a batch
+        # that is a group's first NCCL call must involve all its ranks, a collective does
+        dist.all_reduce(torch.zeros(1, device=reduction_device()))
     depth = plan.pipelines[groups.slot.pipeline].depth
     p2p = (plan_seams.p2p_communicator(groups.pipeline, model.config)
            if reroute is None and depth > 1 else None)
