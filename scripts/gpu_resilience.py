@@ -228,7 +228,8 @@ def launch_job(mode: str, nproc: int, dry_run: bool, broken: bool, timeout_s: fl
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "scripts/gpu_plan_job.py", str(out), "--mode", mode,
            *(["--dry-run"] * dry_run), *(["--break"] * broken), *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
     if proc.returncode != 0:
