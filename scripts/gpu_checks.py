@@ -305,39 +305,35 @@ SWAP_CHECKS: dict[str, Callable[[bool], dict[str, Any]]] = {
 }
 
 
-def checks() -> dict[str, Callable[[bool, bool], dict[str, Any]]]:
-    """Every check as ``check(dry_run, broken)``; only the resilience checks can be broken."""
+def run_check(name: str, dry_run: bool, broken: bool) -> dict[str, Any]:
+    """The check's figures; ``broken``: with its deliberate defect (resilience checks)."""
     from gpu_resilience import CHECKS as RESILIENCE
 
-    return {**{name: (lambda fn: lambda dry, _: fn(dry))(fn) for name, fn in SWAP_CHECKS.items()},
-            **RESILIENCE}
-
-
-def breakable() -> set[str]:
-    from gpu_resilience import CHECKS as RESILIENCE
-
-    return set(RESILIENCE)
+    if name in RESILIENCE:
+        return RESILIENCE[name](dry_run, broken)
+    return SWAP_CHECKS[name](dry_run)
 
 
 def main() -> int:
-    known = checks()
+    from gpu_resilience import CHECKS as RESILIENCE
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=sorted(known))
+    ap.add_argument("check", choices=sorted([*SWAP_CHECKS, *RESILIENCE]))
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--break", dest="broken", action="store_true",
                     help="inject the check's deliberate defect: it must FAIL")
     a = ap.parse_args()
-    if a.broken and a.check not in breakable():
+    if a.broken and a.check not in RESILIENCE:
         print(f"error: --break: {a.check!r} has no defect to inject; checks that have: "
-              f"{', '.join(sorted(breakable()))}", file=sys.stderr)
+              f"{', '.join(RESILIENCE)}", file=sys.stderr)
         return 2
     if a.dry_run:
         from chameleon_megatron.megatron.platform import CpuPlatform
 
         CpuPlatform().apply()
     try:
-        result = known[a.check](a.dry_run, a.broken)
+        result = run_check(a.check, a.dry_run, a.broken)
     except Exception as exc:  # noqa: BLE001 - any error is this check's FAIL, with its reason
         result = {"passed": False, "reason": f"{type(exc).__name__}: {exc}"}
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))

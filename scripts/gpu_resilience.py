@@ -22,8 +22,10 @@ use of the library sits in one small function, named in its docstring.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,6 +236,12 @@ def optimizer_shards(dry_run: bool, broken: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- launched jobs
+def job_limit(seconds: float, dry_run: bool) -> float:
+    """A launched job's limit, under its check's in ``gpu_validate.py`` (so that the check
+    still prints its FAIL line); a dry run's CPU is slower (``DRY_RUN_SLOWDOWN`` there)."""
+    return seconds * (4 if dry_run else 1)
+
+
 def launch_job(mode: str, nproc: int, dry_run: bool, broken: bool, timeout_s: float,
                extra: tuple[str, ...] = ()) -> dict[int, dict]:
     """``gpu_plan_job.py`` on ``nproc`` ranks under torchrun; rank -> its record."""
@@ -243,17 +251,27 @@ def launch_job(mode: str, nproc: int, dry_run: bool, broken: bool, timeout_s: fl
            *(["--dry-run"] * dry_run), *(["--break"] * broken), *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} job failed ({proc.returncode}): {proc.stdout[-1500:]}"
-                           f"{proc.stderr[-1500:]}")
+    with open(out / "log", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # torchrun's workers too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.seek(0)
+        tail = log.read()[-3000:]
+    if code != 0:
+        why = f"timed out after {timeout_s} s" if code is None else f"exit status {code}"
+        raise RuntimeError(f"{mode} job: {why}: {tail}")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
 
 
 def grad_sync(dry_run: bool, broken: bool) -> dict[str, Any]:
     _device(dry_run)
-    ranks = launch_job("grad_sync", 2, dry_run, broken, timeout_s=240)
+    ranks = launch_job("grad_sync", 2, dry_run, broken, timeout_s=job_limit(120, dry_run))
     equal = {r: rec["bitwise_equal"] for r, rec in ranks.items()}
     early = {r: rec["early_groups"] for r, rec in ranks.items()}
     overlapped = all(n >= 1 for e in early.values() for n in e)
@@ -273,7 +291,7 @@ three ranks instead of four (another order of fp32 additions)."""
 def plan_failover(dry_run: bool, broken: bool) -> dict[str, Any]:
     _device(dry_run)
     nproc = 3 if dry_run else 4
-    ranks = launch_job("failover", nproc, dry_run, broken, timeout_s=300,
+    ranks = launch_job("failover", nproc, dry_run, broken, timeout_s=job_limit(150, dry_run),
                        extra=("--defect", "drop"))
     dead = ranks[0]["dead"]
     errors = {r: [abs(g - w) / abs(w) for g, w in zip(rec["losses"], rec["reference_losses"])]
@@ -298,7 +316,7 @@ def recovery_memory(dry_run: bool, broken: bool) -> dict[str, Any]:
     until the copy is confirmed), so it must stay within the steady state's high-water
     mark plus one resident copy; afterwards the old layout must be gone."""
     _device(dry_run)
-    ranks = launch_job("failover", 2, dry_run, broken, timeout_s=240,
+    ranks = launch_job("failover", 2, dry_run, broken, timeout_s=job_limit(120, dry_run),
                        extra=("--defect", "hold"))
     rows = {r: rec for r, rec in ranks.items() if r not in rec["dead"]}
     reason = memory_failure(rows)
