@@ -86,7 +86,7 @@ def test_the_abort_verdict_needs_pending_aborted_groups_and_no_growth() -> None:
     mem = {"allocated": 8 * MiB, "reserved": 20 * MiB, "device_used": 900 * MiB}
     assert abort_failure([run] * 20, [mem] * 20, nccl=True) is None
     assert "aborted" in abort_failure([run, {**run, "aborted": 0}], [mem] * 2, nccl=True)
-    assert "pending" in abort_failure([{**run, "pending": 0}], [mem], nccl=True)
+    assert "pending" in abort_failure([{**run, "pending": 2}], [mem], nccl=True)
     grown = {**mem, "device_used": mem["device_used"] + 100 * MiB}
     assert "grew" in abort_failure([run] * 2, [mem, grown], nccl=True)
     assert "grew" in abort_failure([run] * 2, [mem, {**mem, "allocated": 9 * MiB}], nccl=True)
