@@ -1,9 +1,13 @@
 """GPU checks that settle what only a GPU can, one per call, each about a minute on an H200.
 
-    python scripts/gpu_checks.py CHECK --out FILE.json [--dry-run]
+    python scripts/gpu_checks.py CHECK --out FILE.json [--dry-run] [--break]
 
-CHECK is one of:
+Prints one line, ``PASS CHECK {figures}`` or ``FAIL CHECK {figures and the reason}``, and
+writes the figures to FILE.json; exit status 0 on PASS. CHECK is one of:
 
+* the resilience checks of ``gpu_resilience.py``: ``nccl_abort``, ``optimizer_shards``,
+  ``grad_sync``, ``plan_failover``, ``recovery_memory`` (see there); ``--break`` injects
+  each one's deliberate defect, which must make it FAIL;
 * ``overlap``: bf16 matmuls alone, the executor's copies alone, then both interleaved as the
   executor issues them. Overlap = (compute + copies - both) / min(compute, copies), goal
   >= 0.8; the host must never block (issuing the interleaved work takes well under its
@@ -16,9 +20,6 @@ CHECK is one of:
 * ``oom``: out-of-memory errors forced in a forward and in a copy back; the step is redone
   (every rank of a world of one) with the same loss as without the error, and memory is
   back at its baseline (with and without expandable segments: ``gpu_validate.py`` runs both).
-* ``nccl_abort``: two ranks when two GPUs exist (a rank blocked on a live peer returns when
-  its communicators are aborted), else one rank: the communicators aborted from a thread,
-  then the groups left as a recovery leaves them (``Teardown.leave``) and a new world.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (gloo, the synchronous copier), so
 CI keeps every check from rotting; its figures mean nothing.
@@ -32,7 +33,6 @@ import datetime
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _device(dry_run: bool) -> torch.device:
@@ -299,99 +300,46 @@ def _redo_after(model, seq, step, device, plugin, want, inject) -> dict[str, Any
             "evictions": plugin.metrics()["swap"]["evictions"]}
 
 
-# --------------------------------------------------------------------------- (D) NCCL abort
-def nccl_abort(dry_run: bool) -> dict[str, Any]:
-    if dry_run:
-        return _abort_one_rank("gloo")
-    if torch.cuda.device_count() >= 2:
-        return _abort_two_ranks()
-    return _abort_one_rank("nccl")
-
-
-def _abort_one_rank(backend: str) -> dict[str, Any]:
-    from chameleon_megatron.megatron import groups
-    from chameleon_megatron.megatron.teardown import Teardown
-
-    groups.init_from_launcher(rank=0, world_size=1, backend=backend, timeout_s=60)
-    dist.new_group([0])
-    done: dict[str, Any] = {}
-    teardown = Teardown(backend, None)  # no job store: no connection is shut down
-    thread = threading.Thread(target=lambda: done.setdefault("aborted", teardown.interrupt()))
-    start = time.monotonic()
-    thread.start()
-    thread.join(timeout=30)
-    done["abort_s"] = time.monotonic() - start
-    start = time.monotonic()
-    teardown.leave()
-    done["destroy_s"] = time.monotonic() - start
-    groups.init_from_launcher(rank=0, world_size=1, backend=backend, timeout_s=60)
-    t = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
-    dist.all_reduce(t)
-    groups.destroy()
-    done["passed"] = not thread.is_alive() and float(t) == 1.0 and done["destroy_s"] < 30
-    return done
-
-
-def _abort_two_ranks() -> dict[str, Any]:
-    import multiprocessing
-
-    from chameleon_megatron.megatron.groups import free_port
-
-    port, ctx = free_port(), multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_blocked_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    result = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    waited = result.get(1)
-    return {"ranks": 2, "returned_after_s": waited,
-            "passed": isinstance(waited, float) and waited < 5.0}
-
-
-def _blocked_rank(rank: int, port: int, out: Any) -> None:
-    from chameleon_megatron.megatron import groups
-    from chameleon_megatron.megatron.teardown import Teardown
-
-    torch.cuda.set_device(rank)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    groups.init_from_launcher(rank=rank, world_size=2, backend="nccl", timeout_s=300)
-    dist.barrier()
-    if rank == 0:  # alive, never sends: rank 1's watcher aborts after 1 s
-        time.sleep(8)
-        out.put((0, None))
-        return
-    threading.Timer(1.0, Teardown("nccl", None).interrupt).start()
-    start = time.monotonic()
-    try:
-        t = torch.zeros(1, device="cuda")
-        dist.recv(t, src=0)
-        torch.cuda.synchronize()
-        out.put((1, "received"))
-    except Exception:  # noqa: BLE001 - the abort surfaces as some error: what counts is when
-        out.put((1, time.monotonic() - start - 1.0))
-
-
-CHECKS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "overlap": overlap, "in_flight": in_flight, "oom": oom, "nccl_abort": nccl_abort,
+SWAP_CHECKS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "overlap": overlap, "in_flight": in_flight, "oom": oom,
 }
 
 
+def run_check(name: str, dry_run: bool, broken: bool) -> dict[str, Any]:
+    """The check's figures; ``broken``: with its deliberate defect (resilience checks)."""
+    from gpu_resilience import CHECKS as RESILIENCE
+
+    if name in RESILIENCE:
+        return RESILIENCE[name](dry_run, broken)
+    return SWAP_CHECKS[name](dry_run)
+
+
 def main() -> int:
+    from gpu_resilience import CHECKS as RESILIENCE
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=sorted(CHECKS))
+    ap.add_argument("check", choices=sorted([*SWAP_CHECKS, *RESILIENCE]))
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--break", dest="broken", action="store_true",
+                    help="inject the check's deliberate defect: it must FAIL")
     a = ap.parse_args()
+    if a.broken and a.check not in RESILIENCE:
+        print(f"error: --break: {a.check!r} has no defect to inject; checks that have: "
+              f"{', '.join(RESILIENCE)}", file=sys.stderr)
+        return 2
     if a.dry_run:
         from chameleon_megatron.megatron.platform import CpuPlatform
 
         CpuPlatform().apply()
-    result = CHECKS[a.check](a.dry_run)
+    try:
+        result = run_check(a.check, a.dry_run, a.broken)
+    except Exception as exc:  # noqa: BLE001 - any error is this check's FAIL, with its reason
+        result = {"passed": False, "reason": f"{type(exc).__name__}: {exc}"}
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps(result, default=str))
-    return 0 if result.get("passed") else 1
+    verdict = "PASS" if result.get("passed") else "FAIL"
+    print(f"{verdict} {a.check} {json.dumps(result, default=str)}", flush=True)
+    return 0 if verdict == "PASS" else 1
 
 
 if __name__ == "__main__":
