@@ -145,3 +145,4 @@ def test_a_zero_momentum_buffer_gives_sgds_first_step_exactly() -> None:
             opt.step()
     assert torch.equal(fresh, filled)
     assert torch.equal(steps[0].state[fresh]["momentum_buffer"], buffer)
+
