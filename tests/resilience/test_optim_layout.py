@@ -168,3 +168,20 @@ def test_megatrons_offloading_optimizer_has_the_refused_shape() -> None:
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
     assert isinstance(getattr(HybridDeviceOptimizer, "sub_optimizers", None), property)
+
+
+def test_remainders_show_the_master_weights_a_whole_copy_holds() -> None:
+    """Stored whole or as remainders, the fp32 master weights follow the same trajectory
+    (the update reads them, not the bf16 parameters): ``read`` shows the same values."""
+    shown = []
+    for case in ("te-master-bf16-moments", "te-remainders"):
+        build, dtype, _ = CASES[case]
+        params = _params(dtype)
+        opt = build(params)
+        for seed in range(3):
+            _step(opt, params, seed)
+        assert opt.state[params[0]]["master_param"].dtype == (
+            torch.int16 if case == "te-remainders" else torch.float32)
+        shown.append([s.read()["master_param"] for s in _slots(opt)])
+    for whole, rebuilt in zip(*shown):
+        assert torch.equal(whole, rebuilt)
