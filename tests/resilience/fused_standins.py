@@ -350,3 +350,43 @@ def installed(family: str | None) -> Iterator[None]:
     finally:
         for (mod, name), value in saved.items():
             setattr(importlib.import_module(mod), name, value)
+
+
+def install_precision_aware(moments: torch.dtype, remainders: bool) -> None:
+    """Make the trainer's optimizer config megatron's ``--use-precision-aware-optimizer``
+    (``exp_avg_dtype``/``exp_avg_sq_dtype`` = ``moments``, ``--store-param-remainders``) over
+    the Transformer Engine stand-in (``install("te")`` too). megatron-core checks, when it
+    builds the config, that Transformer Engine's FusedAdam takes these arguments: the
+    stand-in answers that import for the duration of the check only, so that nothing else
+    takes Transformer Engine for installed."""
+    import sys
+    import types
+
+    import megatron.core.optimizer as optim_module
+    import megatron.core.optimizer.optimizer_config as config_module
+
+    from chameleon_megatron.training import optim
+
+    install("te")
+    config_module.is_te_min_version = optim_module.is_te_min_version = \
+        lambda *args, **kwargs: True  # a 2.x release: store_param_remainders is passed
+    base = optim.OptimizerConfig
+
+    def precision_aware(**kwargs: Any) -> Any:
+        fakes = {name: types.ModuleType(name) for name in (
+            "transformer_engine", "transformer_engine.pytorch",
+            "transformer_engine.pytorch.optimizers")}
+        fakes["transformer_engine.pytorch.optimizers"].FusedAdam = TEFusedAdam
+        saved = {name: sys.modules.get(name) for name in fakes}
+        sys.modules.update(fakes)
+        try:
+            return base(**kwargs, use_precision_aware_optimizer=True, exp_avg_dtype=moments,
+                        exp_avg_sq_dtype=moments, store_param_remainders=remainders)
+        finally:
+            for name, module in saved.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+
+    optim.OptimizerConfig = precision_aware

@@ -2,7 +2,7 @@
 
     python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S]
         [--oom-at RANK:ITERATION] [--stall-at RANK:ITERATION:SECONDS] [--fused te|apex]
-        <trainer flags>
+        [--precision-aware bf16|bf16-remainders] <trainer flags>
 
 Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
 failure-free reference) with one more plugin: a rank that holds part of the model when
@@ -13,7 +13,8 @@ of device memory once, after the forward-backward of that step (without fault to
 whose ``kind=oom`` faults fire anywhere); ``--stall-at`` makes it stop that long, once, at the
 start of that step (a slow rank, not a failed one); ``--fused`` makes megatron-core build
 that family's fused optimizers (``fused_standins``: CPU stand-ins of Transformer Engine's or
-apex's). Only the standard library is imported at the top:
+apex's); ``--precision-aware`` makes it megatron's ``--use-precision-aware-optimizer`` over
+Transformer Engine's (bf16 moments, with or without ``--store-param-remainders``). Only the standard library is imported at the top:
 checkpoint writers spawn helpers that re-import this file.
 """
 
@@ -133,6 +134,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--oom-at", default=None, metavar="RANK:ITERATION")
     parser.add_argument("--stall-at", default=None, metavar="RANK:ITERATION:SECONDS")
     parser.add_argument("--fused", default=None, choices=["te", "apex"])
+    parser.add_argument("--precision-aware", default=None, choices=["bf16", "bf16-remainders"])
     ours, rest = parser.parse_known_args(argv)
     me = int(os.environ.get("RANK", "0"))
     oom_at = stall = None
@@ -152,6 +154,12 @@ def main(argv: list[str]) -> int:
         from fused_standins import install
 
         install(ours.fused)
+    if ours.precision_aware is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import torch
+        from fused_standins import install_precision_aware
+
+        install_precision_aware(torch.bfloat16, ours.precision_aware.endswith("remainders"))
     from chameleon_megatron import pretrain_gpt
     from chameleon_megatron.logs import setup_logging
 
