@@ -14,8 +14,9 @@ whose ``kind=oom`` faults fire anywhere); ``--stall-at`` makes it stop that long
 start of that step (a slow rank, not a failed one); ``--fused`` makes megatron-core build
 that family's fused optimizers (``fused_standins``: CPU stand-ins of Transformer Engine's or
 apex's); ``--precision-aware`` makes it megatron's ``--use-precision-aware-optimizer`` over
-Transformer Engine's (bf16 moments, with or without ``--store-param-remainders``). Only the standard library is imported at the top:
-checkpoint writers spawn helpers that re-import this file.
+Transformer Engine's (bf16 moments, with or without ``--store-param-remainders``). Only the
+standard library is imported at the top: checkpoint writers spawn helpers that re-import
+this file.
 """
 
 from __future__ import annotations
