@@ -120,6 +120,9 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
               and getattr(margs, "expert_model_parallel_size", 1) > 1),
          "--use-distributed-optimizer with --expert-model-parallel-size > 1: the shard "
          "copies follow the data-parallel group, not the expert data-parallel one"),
+        (not getattr(margs, "optimizer_cpu_offload", False),
+         "--optimizer-cpu-offload: megatron's HybridDeviceOptimizer moves state between its "
+         "device and host sub-optimizers at each step; in-memory recovery does not follow it"),
     ]
     refused = next((why for ok, why in limits if not ok), None)
     if refused is not None:

@@ -234,7 +234,10 @@ def step_with_norm(optimizer: Any, max_norm: float,
     if max_norm > 0:
         total = norm()
         for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-            clip_grad_by_total_norm_fp32(leaf.get_parameters(), max_norm, total)
+            # --use-precision-aware-optimizer: the optimizer reads ``decoupled_grad``
+            decoupled = leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            clip_grad_by_total_norm_fp32(leaf.get_parameters(), max_norm, total,
+                                         use_decoupled_grad=decoupled)
     return optimizer.step_with_ready_grads(), total
 
 

@@ -19,11 +19,11 @@ from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind
 from chameleon_megatron.resilience.model_state import (
     ModelState,
+    check_migratable,
     megatron_leaves,
-    new_state,
-    optimizer_state,
     unit_parameters,
 )
+from chameleon_megatron.resilience.optim_layout import Slot, layout_of, set_steps
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,10 @@ class Owned:
     main: torch.Tensor
     """Its fp32 main piece (a view into ``param`` for fp32 models)."""
     state: dict
-    """The optimizer state of ``main`` (created if the optimizer has not stepped yet)."""
+    """The optimizer state of ``main`` (created if the optimizer has not stepped yet), as
+    ``optim_layout.Slot.read`` shows it: a param group's step as a 0-dim copy."""
+    slot: Slot | None = None
+    """Where the state lives (``Slot.write``/``set_steps`` store it back)."""
 
 
 def is_distributed(optimizer: Any) -> bool:
@@ -59,15 +62,16 @@ def is_distributed(optimizer: Any) -> bool:
 
 
 def state_keys(optimizer: Any) -> tuple[str, ...]:
-    """The optimizer-state keys of every main parameter (``model_state.optimizer_state``)."""
-    inner = next(megatron_leaves(optimizer)).optimizer
-    return tuple(sorted(new_state(inner, torch.zeros(1), inner.param_groups[0])))
+    """The optimizer-state keys of every main parameter (``optim_layout.Slot.read``)."""
+    check_migratable(optimizer)
+    return layout_of(next(megatron_leaves(optimizer)).optimizer).state_keys()
 
 
 def owned(model: list[torch.nn.Module], optimizer: Any) -> list[Owned]:
     """This rank's pieces, in one order for a given layout."""
     out = []
     for leaf in megatron_leaves(optimizer):
+        layout = layout_of(leaf.optimizer)
         index = leaf.model_param_group_index_map
         for unit, params in unit_parameters(model).items():
             for name, param in sorted(params.items()):
@@ -75,11 +79,10 @@ def owned(model: list[torch.nn.Module], optimizer: Any) -> list[Owned]:
                     continue
                 group_index, order = index[param]
                 group = leaf.optimizer.param_groups[group_index]
-                main = group["params"][order]
+                slot = Slot(leaf.optimizer, group["params"][order], group, layout)
                 span = leaf._get_model_param_range_map(param)["param"]
                 piece = Piece(unit, name, span.start, span.end, tuple(param.shape))
-                out.append(Owned(piece, param, main,
-                                 optimizer_state(leaf.optimizer, main, group)))
+                out.append(Owned(piece, param, slot.main, slot.read(), slot))
     return out
 
 
@@ -116,15 +119,20 @@ class ShardSink:
     @torch.no_grad()
     def commit(self) -> None:
         """Keep this rank's pieces of what was received (every tensor must have been)."""
+        steps = []
         for own in self._owned:
             p = own.piece
             main = self._staged.get((p.unit, f"{p.name}/main"))
             if main is not None:
                 own.main.copy_(main.view(-1)[p.start:p.end])
+            values = {}
             for key in self._keys:
                 staged = self._staged[(p.unit, f"{p.name}/{key}")]
-                value = staged if key == "step" else staged.view(-1)[p.start:p.end]
-                own.state[key].copy_(value)
+                values[key] = staged if key == "step" else staged.view(-1)[p.start:p.end]
+            own.slot.write(values)
+            if "step" in values:
+                steps.append((own.slot, values["step"]))
+        set_steps(steps)
         self._staged.clear()
 
 

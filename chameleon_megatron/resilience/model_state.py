@@ -4,9 +4,11 @@ A unit is a transformer layer (global index, 0-based), the embedding or the outp
 (final norm and output projection), as in ``resilience.layout``. Within a unit, tensors are
 named by their parameter path below the unit (``self_attention.linear_qkv.weight``), so the
 same layer has the same names on every rank whatever the pipeline split. Optimizer state is
-named ``<param>/<key>`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's
-``momentum_buffer``); with mixed precision
-the fp32 main copy travels with the parameters as ``<param>/main``.
+named ``<param>/<key>`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``, and
+``master_param`` where the optimizer keeps the fp32 main weights; SGD's ``momentum_buffer``),
+as ``optim_layout.Slot`` shows it whatever the optimizer's own layout (a fused Adam's param
+group step, scaled or bf16 moments); with mixed precision the fp32 main copy travels with
+the parameters as ``<param>/main``.
 
 Tied embeddings: a model held by one stage has no output weight of its own (it reuses the
 embedding's). As a *source* such a model also offers the embedding weight (and its Adam
@@ -21,8 +23,8 @@ import torch
 
 from chameleon_megatron.resilience.decision.layout import EMBEDDING, OUTPUT, StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind
+from chameleon_megatron.resilience.optim_layout import Slot, layout_of, refuse_offloaded, set_steps
 
-_MIGRATED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _OUTPUT_WEIGHT = "output_layer.weight"
 
 
@@ -80,23 +82,24 @@ def megatron_leaves(optimizer: Any) -> Iterator[Any]:
 
 
 def check_migratable(optimizer: Any) -> None:
-    """ValueError unless the restorer can move this optimizer's state (torch's Adam, AdamW
-    or SGD inside megatron's optimizers)."""
+    """ValueError unless the restorer can move this optimizer's state: Adam- or SGD-like
+    torch optimizers inside megatron's (torch's, Transformer Engine's or apex's; see
+    ``optim_layout``), not megatron's CPU-offloading one."""
     for leaf in megatron_leaves(optimizer):
-        if not isinstance(leaf.optimizer, _MIGRATED):
-            raise ValueError(f"in-memory optimizer migration supports Adam, AdamW and SGD, "
-                             f"not {type(leaf.optimizer).__name__}")
+        refuse_offloaded(leaf)
+        layout_of(leaf.optimizer)
 
 
-def optimizer_slots(optimizer: Any) -> dict[int, tuple[torch.optim.Optimizer, torch.Tensor, dict]]:
-    """id(model parameter) -> (torch optimizer, the tensor it updates, its param group)."""
+def optimizer_slots(optimizer: Any) -> dict[int, Slot]:
+    """id(model parameter) -> its state's ``Slot`` (the tensor the optimizer updates)."""
     check_migratable(optimizer)
-    slots: dict[int, tuple[torch.optim.Optimizer, torch.Tensor, dict]] = {}
+    slots: dict[int, Slot] = {}
     for leaf in megatron_leaves(optimizer):
         if type(leaf).__name__ == "DistributedOptimizer":
             raise ValueError("a distributed optimizer's state is sharded: read it by pieces "
                              "(resilience.dist_opt)")
         inner = leaf.optimizer
+        layout = layout_of(inner)
         main_of = {}
         if hasattr(leaf, "float16_groups"):  # mixed precision: fp32 main copies
             for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
@@ -104,43 +107,21 @@ def optimizer_slots(optimizer: Any) -> dict[int, tuple[torch.optim.Optimizer, to
         for group in inner.param_groups:
             for main in group["params"]:
                 model_param = main_of.get(id(main), main)
-                slots[id(model_param)] = (inner, main, group)
+                slots[id(model_param)] = Slot(inner, main, group, layout)
     return slots
 
 
-def new_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
-    """The state torch's optimizer would start ``main`` with before its first step: Adam's
-    zero moments and step; SGD's momentum buffer as zeros (torch starts it from the first
-    gradient, which a zero buffer gives exactly: 0 * momentum + gradient)."""
-    zeros = torch.zeros_like(main, memory_format=torch.preserve_format)
-    if isinstance(inner, torch.optim.SGD):
-        return {"momentum_buffer": zeros} if group["momentum"] else {}
-    on_device = group.get("capturable") or group.get("fused")
-    state = {"step": torch.zeros((), dtype=torch.float32,
-                                 device=main.device if on_device else "cpu"),
-             "exp_avg": zeros, "exp_avg_sq": torch.zeros_like(zeros)}
-    if group.get("amsgrad"):
-        state["max_exp_avg_sq"] = torch.zeros_like(zeros)
-    return state
-
-
-def optimizer_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
-    """The optimizer state of ``main``, created (``new_state``) before its first step."""
-    state = inner.state[main]
-    if not state or any(value is None for value in state.values()):
-        for key, value in new_state(inner, main, group).items():
-            if state.get(key) is None:
-                state[key] = value
-    return state
-
-
 class ModelState:
-    """A ``StateView`` over model chunks and their megatron optimizer."""
+    """A ``StateView`` over model chunks and their megatron optimizer. As a sink, state the
+    optimizer stores otherwise than shown (a param group's step, scaled or low-precision
+    moments) is staged, and ``commit`` stores it."""
 
     def __init__(self, model: list[torch.nn.Module], optimizer: Any, *,
                  role: Literal["source", "sink"]) -> None:
         self._units = unit_parameters(model)
         self._slots = optimizer_slots(optimizer)
+        self._role = role
+        self._staged: dict[int, dict[str, torch.Tensor]] = {}
         tied = tied_embedding(model)
         if role == "source" and tied is not None:
             self._units.setdefault(OUTPUT, {})[_OUTPUT_WEIGHT] = tied
@@ -149,18 +130,36 @@ class ModelState:
         return tuple(self._units)
 
     def commit(self) -> None:
-        """Nothing to do: a sink is written in place (``dist_opt.ShardSink`` stages)."""
+        """Store what was staged (the rest was written in place)."""
+        steps = []
+        for key, values in self._staged.items():
+            slot = self._slots[key]
+            slot.write(values)
+            if "step" in values:
+                steps.append((slot, values["step"]))
+        set_steps(steps)
+        self._staged.clear()
+
+    def _state(self, slot: Slot, key: int) -> dict[str, torch.Tensor]:
+        values = slot.read()
+        if self._role == "source":
+            return values
+        staged = self._staged.setdefault(key, {})
+        for name, stage in slot.staged().items():
+            if stage:
+                values[name] = staged.setdefault(name, torch.zeros_like(values[name]))
+        return values
 
     def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
         params = self._units.get(unit, {})
         out: dict[str, torch.Tensor] = {}
         for name, param in params.items():
-            inner, main, group = self._slots[id(param)]
+            slot = self._slots[id(param)]
             if kind == "params":
                 out[name] = param.detach()
-                if main is not param:
-                    out[f"{name}/main"] = main.detach()
+                if slot.main is not param:
+                    out[f"{name}/main"] = slot.main.detach()
             else:
-                for key, value in optimizer_state(inner, main, group).items():
+                for key, value in self._state(slot, id(param)).items():
                     out[f"{name}/{key}"] = value
         return out

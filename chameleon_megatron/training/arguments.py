@@ -30,7 +30,8 @@ UNSUPPORTED_MEGATRON_FLAGS = frozenset({
     "--overlap-param-gather", "--use-torch-fsdp2", "--use-megatron-fsdp", "--train-samples",
     "--lr-decay-samples", "--lr-warmup-samples", "--moe-grouped-gemm", "--transformer-impl",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--num-virtual-stages-per-pipeline-rank", "--mock-data-path",
+    "--num-virtual-stages-per-pipeline-rank", "--mock-data-path", "--optimizer-cpu-offload",
+    "--use-precision-aware-optimizer",
 })
 
 

@@ -203,6 +203,8 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
      "--chameleon-ft: --use-distributed-optimizer with --expert-model-parallel-size > 1"),
     ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),
     ({}, {"num_layers_per_virtual_pipeline_stage": 1}, "interleaved pipelines"),
+    ({}, {"optimizer_cpu_offload": True}, "--chameleon-ft: --optimizer-cpu-offload: megatron's "
+     "HybridDeviceOptimizer"),
 ])
 def test_what_recovery_cannot_run_on_this_path_is_refused(monkeypatch, ft, margs, message):
     monkeypatch.setenv(AGENT_ENV, "1")

@@ -1,7 +1,8 @@
 """The training worker of the recovery tests: ``pretrain_gpt`` plus a state dump.
 
     python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S]
-        [--oom-at RANK:ITERATION] [--stall-at RANK:ITERATION:SECONDS] <trainer flags>
+        [--oom-at RANK:ITERATION] [--stall-at RANK:ITERATION:SECONDS] [--fused te|apex]
+        [--precision-aware bf16|bf16-remainders] <trainer flags>
 
 Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
 failure-free reference) with one more plugin: a rank that holds part of the model when
@@ -10,8 +11,12 @@ of weights and Adam moments (keyed by state unit and name) and Adam's step count
 at the end of the job writes ``{"spare": true}``. ``--oom-at`` makes that launch rank run out
 of device memory once, after the forward-backward of that step (without fault tolerance,
 whose ``kind=oom`` faults fire anywhere); ``--stall-at`` makes it stop that long, once, at the
-start of that step (a slow rank, not a failed one). Only the standard library is imported at the top:
-checkpoint writers spawn helpers that re-import this file.
+start of that step (a slow rank, not a failed one); ``--fused`` makes megatron-core build
+that family's fused optimizers (``fused_standins``: CPU stand-ins of Transformer Engine's or
+apex's); ``--precision-aware`` makes it megatron's ``--use-precision-aware-optimizer`` over
+Transformer Engine's (bf16 moments, with or without ``--store-param-remainders``). Only the
+standard library is imported at the top: checkpoint writers spawn helpers that re-import
+this file.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from typing import Any
 
 def state_sums(ctx: Any) -> dict:
     from chameleon_megatron.resilience.dist_opt import is_distributed
-    from chameleon_megatron.resilience.model_state import ModelState, unit_parameters
+    from chameleon_megatron.resilience.model_state import (
+        ModelState, megatron_leaves, unit_parameters)
 
     model = ctx.model
+    inner = type(next(megatron_leaves(ctx.extra["optimizer"])).optimizer).__name__
     if is_distributed(ctx.extra["optimizer"]):
         return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "pieces": True,
-                "sums": shard_sums(model, ctx.extra["optimizer"])}
-    view = ModelState(model, ctx.extra["optimizer"], role="sink")
+                "optimizer": inner, "sums": shard_sums(model, ctx.extra["optimizer"])}
+    view = ModelState(model, ctx.extra["optimizer"], role="source")
     sums: dict[str, dict] = {}
     for unit, params in unit_parameters(model).items():
         optim = view.tensors(unit, "optimizer")
@@ -46,7 +53,7 @@ def state_sums(ctx: Any) -> dict:
                 **{key: float(t.double().pow(2).sum()) for key, t in state.items()},
                 "step": None if step is None else float(step),
             }
-    return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "sums": sums}
+    return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "optimizer": inner, "sums": sums}
 
 
 def shard_sums(model: list, optimizer: Any) -> dict:
@@ -127,6 +134,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pace-s", type=float, default=0.0)
     parser.add_argument("--oom-at", default=None, metavar="RANK:ITERATION")
     parser.add_argument("--stall-at", default=None, metavar="RANK:ITERATION:SECONDS")
+    parser.add_argument("--fused", default=None, choices=["te", "apex"])
+    parser.add_argument("--precision-aware", default=None, choices=["bf16", "bf16-remainders"])
     ours, rest = parser.parse_known_args(argv)
     me = int(os.environ.get("RANK", "0"))
     oom_at = stall = None
@@ -141,6 +150,17 @@ def main(argv: list[str]) -> int:
         from rt_support import guard_worker
 
         guard_worker(400)
+    if ours.fused is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from fused_standins import install
+
+        install(ours.fused)
+    if ours.precision_aware is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import torch
+        from fused_standins import install_precision_aware
+
+        install_precision_aware(torch.bfloat16, ours.precision_aware.endswith("remainders"))
     from chameleon_megatron import pretrain_gpt
     from chameleon_megatron.logs import setup_logging
 
