@@ -207,7 +207,7 @@ class ResiliencePlugin(TrainerPlugin):
         assert self.controller is not None, "on_model_built was not called"
         shards = self.controller.shards
         if shards is not None and shards.due(trainer.iteration):
-            self.controller.refresh_shards(trainer)
+            self.controller.refresh_shards(trainer, wait=False)  # overlaps the next steps
         return self.controller.between_steps(trainer)
 
     def metrics(self) -> dict[str, Any]:

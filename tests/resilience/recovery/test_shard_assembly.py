@@ -8,6 +8,7 @@ import torch
 
 from chameleon_megatron.resilience.dist_opt import Piece
 from chameleon_megatron.resilience.recovery import shard_assembly as sa
+from chameleon_megatron.resilience.recovery.host_copies import HostMover
 from chameleon_megatron.resilience.recovery.shard_replica import ShardCopy
 
 GROUPS = ((0, 2, 4), (1, 3, 5))
@@ -21,13 +22,14 @@ def meta(rank: int, iteration: int) -> dict:
 
 
 def held(alive: list[int], iteration: int = 6, stale: dict[int, int] | None = None) -> dict:
-    """Each live rank's own copy, and its predecessor's (the ring of its group)."""
+    """Each live rank's committed copies (one set): its own copy, and its predecessor's
+    (the ring of its group)."""
     out = {}
     for r in alive:
         group = next(g for g in GROUPS if r in g)
         before = group[group.index(r) - 1]
         it = (stale or {}).get(r, iteration)
-        out[r] = {"own": meta(r, it), "replica": meta(before, it)}
+        out[r] = [{"own": meta(r, it), "replica": meta(before, it)}]
     return out
 
 
@@ -61,7 +63,7 @@ def test_copies_of_another_step_are_not_mixed() -> None:
 
 
 def test_spares_hold_nothing_and_take_no_part() -> None:
-    h = {**held([1, 2, 3, 4, 5]), 7: {"own": None, "replica": None}}
+    h = {**held([1, 2, 3, 4, 5]), 7: []}
     assert sa.unassemblable(h, 6) == () and all(7 not in m for m in sa.moves(h, 6))
 
 
@@ -69,9 +71,11 @@ def copy(rank: int, start: int, end: int, values: list[float], step: float,
          unit: int = 3) -> ShardCopy:
     piece = Piece(unit, "mlp.linear_fc1.weight", start, end, (2, 3))
     n = end - start
-    flat = torch.tensor(values[:n] + [v * 10 for v in values[:n]] + [step], dtype=torch.float32)
+    data = HostMover().copy_out([
+        ("0/main", torch.tensor(values[:n])), ("0/exp_avg", torch.tensor(values[:n]) * 10),
+        ("0/step", torch.tensor(step))])
     return ShardCopy(rank=rank, group=(0, 1), iteration=6, pieces=(piece,),
-                     keys=("exp_avg", "step"), dtype="torch.bfloat16", tied=False, flat=flat)
+                     keys=("exp_avg", "step"), dtype="torch.bfloat16", tied=False, data=data)
 
 
 def test_units_are_rebuilt_from_the_pieces() -> None:
