@@ -121,11 +121,12 @@ class ResiliencePlugin(TrainerPlugin):
         detector = FailureDetector(job, me, self.ft)
         detector.beat()
         groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default
-        shards = (ShardReplicas(self.ft.shard_replica_interval)
+        injector = FaultInjector.from_strings(me, self.ft.inject_fault)
+        shards = (ShardReplicas(self.ft.shard_replica_interval,
+                                fault=lambda step: injector.check(step, "copy"))
                   if self._args.use_distributed_optimizer else None)
         return RecoveryController(
-            job=job, detector=detector,
-            injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
+            job=job, detector=detector, injector=injector, ft=self.ft, me=me,
             plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps,
             plans_refused=self.plans_refused, shards=shards).watch()
 

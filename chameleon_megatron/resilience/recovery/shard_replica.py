@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -188,9 +188,13 @@ class ShardReplicas:
     """This rank's committed copies (its own shard and its predecessor's, at the two newest
     committed steps) and the copy in flight."""
 
-    def __init__(self, interval: int, mover: HostMover | None = None) -> None:
+    def __init__(self, interval: int, mover: HostMover | None = None,
+                 fault: Callable[[int], None] = lambda step: None) -> None:
+        """``fault(step)``: called in the exchange of the copy of ``step`` once the pair is
+        exchanged, before the commit (fault injection)."""
         self.interval = interval
         self.mover = mover or HostMover()
+        self.fault = fault
         self.sets: list[CopySet] = []
         """Committed, oldest first (at most two)."""
         self._flight: _Flight | None = None
@@ -237,7 +241,7 @@ class ShardReplicas:
                        iteration=run.iteration, reuse=recycled and recycled.own.data.buffers)
         order = sorted(job)
         exchange = _Exchange(self._ring.group(), order, job, world, me,
-                             recycled and recycled.replica)
+                             recycled and recycled.replica, self.fault)
         self._flight = _Flight(copy, run, exchange)
         self._flight.hooks = _fence_before_step(optimizer, copy.data)
         if wait:
@@ -286,8 +290,9 @@ class _Exchange:
     """One copy's exchange around the ring and its commit (run on the copy's thread)."""
 
     def __init__(self, group: dist.ProcessGroup, order: list[int], job: list[int],
-                 world: list[int], me: int, reuse: ShardCopy | None) -> None:
-        self.group, self.reuse = group, reuse
+                 world: list[int], me: int, reuse: ShardCopy | None,
+                 fault: Callable[[int], None]) -> None:
+        self.group, self.reuse, self.fault = group, reuse, fault
         self.to = self.frm = None
         if len(order) > 1:
             k = order.index(me)
@@ -304,6 +309,7 @@ class _Exchange:
             replica = _recv(self.frm, self.group, self.reuse)
             for work in sends:
                 work.wait(timeout)
+        self.fault(copy.iteration)
         dist.all_reduce(torch.zeros(1), group=self.group)  # every rank holds its pair: commit
         return replica
 
