@@ -218,4 +218,6 @@ class ResiliencePlugin(TrainerPlugin):
         self._remove_hooks()
         if self.controller is not None:
             finished = self._completed == self._args.train_iters and not self._leaving
+            if finished and self.controller.shards is not None:
+                self.controller.shards.settle()  # the last copy's exchange, with the peers'
             self.controller.close(finished=finished)
