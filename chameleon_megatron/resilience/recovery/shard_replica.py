@@ -160,7 +160,8 @@ class _HostRing:
 class _Flight:
     """The copy being taken: its exchange runs on a thread of its own."""
 
-    def __init__(self, copy: ShardCopy, run: RunState, exchange: Any) -> None:
+    def __init__(self, copy: ShardCopy, run: RunState,
+                 exchange: Callable[[ShardCopy], ShardCopy | None]) -> None:
         self.copy, self.run = copy, run
         self.replica: ShardCopy | None = None
         self.error: BaseException | None = None
@@ -170,7 +171,7 @@ class _Flight:
                                         name="shard-copy", daemon=True)
         self._thread.start()
 
-    def _run(self, exchange: Any) -> None:
+    def _run(self, exchange: Callable[[ShardCopy], ShardCopy | None]) -> None:
         start = time.perf_counter()
         try:
             self.replica = exchange(self.copy)
