@@ -167,6 +167,8 @@ class _Flight:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.hooks: list[Any] = []
+        self.reserved: ShardCopy | None = None
+        """The older copy whose host memory the predecessor's is received into."""
         self._thread = threading.Thread(target=self._run, args=(exchange,),
                                         name="shard-copy", daemon=True)
         self._thread.start()
@@ -244,6 +246,7 @@ class ShardReplicas:
         exchange = _Exchange(self._ring.group(), order, job, world, me,
                              recycled and recycled.replica, self.fault)
         self._flight = _Flight(copy, run, exchange)
+        self._flight.reserved = recycled and recycled.replica
         self._flight.hooks = _fence_before_step(optimizer, copy.data)
         if wait:
             self._land(raise_error=True, drop_older=True)
@@ -280,8 +283,8 @@ class ShardReplicas:
         """Host memory held (committed copies and the one in flight) and the time the
         training thread spent refreshing them."""
         copies = [c for s in self.sets for c in (s.own, s.replica) if c is not None]
-        if self._flight is not None:
-            copies.append(self._flight.copy)
+        if self._flight is not None:  # its own copy, and the memory its replica lands in
+            copies += [c for c in (self._flight.copy, self._flight.reserved) if c is not None]
         return {"shard_copy_bytes": sum(c.nbytes for c in copies),
                 "shard_copy_s": round(self.seconds, 6),
                 "shard_exchange_s": round(self.exchange_seconds, 6)}

@@ -46,8 +46,9 @@ def whole(step: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, sync: bool, fail: bool, out: str) -> None:
-    timeout = datetime.timedelta(seconds=10)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    timeout = datetime.timedelta(seconds=10)  # a survivor's exchange may wait it out
+    patience = datetime.timedelta(seconds=60)  # (then the others wait for that survivor)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=patience)
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank,
                             world_size=WORLD, timeout=timeout)
     param = torch.zeros(4, 2)
@@ -79,12 +80,12 @@ def _worker(rank: int, port: int, sync: bool, fail: bool, out: str) -> None:
     survivors = [r for r in range(WORLD) if not (fail and r == 0)]
     scope = dist.PrefixStore("recovery/", store)
     sa.publish(scope, rank, replicas)
-    scope.wait(sa.keys(survivors), timeout)
+    scope.wait(sa.keys(survivors), patience)
     held = sa.read(scope, survivors)
     chosen = sa.choose(held, survivors)
     states = sa.agreed_states(held, {m: RunState(STEPS, 10 * STEPS) for m in survivors})
     group = unregistered_gloo_group(dist.PrefixStore("rec/", store), survivors.index(rank),
-                                    len(survivors), timeout_s=10)
+                                    len(survivors), timeout_s=60)
     units = sa.assemble(group, survivors, rank, held, replicas, chosen)
     torch.save({"step": chosen, "error": error, "run": states[rank].iteration,
                 "samples": states[rank].consumed_samples,
