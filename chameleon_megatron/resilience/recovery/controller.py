@@ -219,15 +219,16 @@ class RecoveryController:
         return rng_state()
 
     def refresh_shards(self, trainer: TrainerHandle,
-                       active: Sequence[int] | None = None) -> None:
+                       active: Sequence[int] | None = None, *, wait: bool = True) -> None:
         """Copy the distributed optimizer's shards to host memory and to each one's
-        successor (collective over every data-parallel group; in a plan, over the world)."""
+        successor (collective over the world); ``wait``: until committed (else the
+        exchange overlaps the next steps)."""
         model, optimizer = trainer.model_and_optimizer()
         rt = self.runtime
         self.shards.refresh(model, optimizer, run_state.of(trainer, rng_state()), me=self.me,
                             world_to_job=tuple(active if active is not None else self.active),
                             ring=rt.groups.host if rt else groups.data_parallel_gloo(),
-                            partners=rt.unit_sharers() if rt else None)
+                            partners=rt.unit_sharers() if rt else None, wait=wait)
 
     def _keepalive(self) -> None:
         """Beat before a wait that cannot: it may last a whole recovery window (a rank
@@ -500,9 +501,11 @@ class RecoveryController:
         wait_keys(scope, wanted, timeout_s=timeouts.rendezvous_s,
                   abandoned=self._abandoned, on_wait=self._keepalive)
         states = run_state.read_all(scope, membership.members)
+        if self.shards is not None:  # at the step of the copies every holder can use
+            shards = shard_assembly.read(scope, membership.members)
+            states = shard_assembly.agreed_states(shards, states)
         agreed = _agree(states)
         if self.shards is not None:
-            shards = shard_assembly.read(scope, membership.members)
             agreed = run_state.without(agreed,
                                        shard_assembly.unassemblable(shards, agreed.iteration))
             self._state_from = shard_assembly.sources(shards, agreed.iteration,

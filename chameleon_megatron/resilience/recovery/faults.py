@@ -1,7 +1,7 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
 A fault is written
-``rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save,kind=...``
+``rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy,kind=...``
 (``kind=exit|hang|exception|oom``)
 or ``...,kind=slow,seconds=S`` (the ``--chameleon-inject-fault`` syntax, repeatable) or built
 with ``FaultInjector.fail_at``.
@@ -15,7 +15,9 @@ with ``FaultInjector.fail_at``.
   fires inside the recovery that will redo step I, after the survivors' new groups are built
   and before any state moves (a failure during recovery; the recovery controller calls it);
   eval and save fire as the evaluation or the checkpoint after step I starts (its peers are
-  then inside that collective work).
+  then inside that collective work); copy fires in the exchange of the distributed
+  optimizer's shard copy of step I, on its thread, once this rank's copy is sent and its
+  predecessor's received, before the commit (a failure while a copy is in flight).
 * ``kind``: ``exit`` ends the process at once with ``INJECTED_EXIT_CODE`` (no clean-up, like a
   crash); ``hang`` blocks the calling thread forever (only a heartbeat timeout finds it);
   ``exception`` raises ``InjectedFault`` from the training code; ``oom`` raises torch's
@@ -34,14 +36,15 @@ from typing import Iterable, Literal, get_args
 
 logger = logging.getLogger(__name__)
 
-Phase = Literal["forward", "backward", "grads", "optimizer", "recovery", "eval", "save"]
+Phase = Literal["forward", "backward", "grads", "optimizer", "recovery", "eval", "save",
+                "copy"]
 FaultKind = Literal["exit", "hang", "exception", "oom", "slow"]
 PHASES: tuple[str, ...] = get_args(Phase)
 KINDS: tuple[str, ...] = get_args(FaultKind)
 INJECTED_EXIT_CODE = 43
 """Exit status of a process ended by an injected ``exit`` fault."""
 
-_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save,"
+_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy,"
            "kind=exit|hang|exception|oom|slow[,seconds=S]")
 
 

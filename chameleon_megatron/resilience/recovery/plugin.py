@@ -121,11 +121,12 @@ class ResiliencePlugin(TrainerPlugin):
         detector = FailureDetector(job, me, self.ft)
         detector.beat()
         groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default
-        shards = (ShardReplicas(self.ft.shard_replica_interval)
+        injector = FaultInjector.from_strings(me, self.ft.inject_fault)
+        shards = (ShardReplicas(self.ft.shard_replica_interval,
+                                fault=lambda step: injector.check(step, "copy"))
                   if self._args.use_distributed_optimizer else None)
         return RecoveryController(
-            job=job, detector=detector,
-            injector=FaultInjector.from_strings(me, self.ft.inject_fault), ft=self.ft, me=me,
+            job=job, detector=detector, injector=injector, ft=self.ft, me=me,
             plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps,
             plans_refused=self.plans_refused, shards=shards).watch()
 
@@ -207,7 +208,7 @@ class ResiliencePlugin(TrainerPlugin):
         assert self.controller is not None, "on_model_built was not called"
         shards = self.controller.shards
         if shards is not None and shards.due(trainer.iteration):
-            self.controller.refresh_shards(trainer)
+            self.controller.refresh_shards(trainer, wait=False)  # overlaps the next steps
         return self.controller.between_steps(trainer)
 
     def metrics(self) -> dict[str, Any]:
@@ -217,4 +218,6 @@ class ResiliencePlugin(TrainerPlugin):
         self._remove_hooks()
         if self.controller is not None:
             finished = self._completed == self._args.train_iters and not self._leaving
+            if finished and self.controller.shards is not None:
+                self.controller.shards.settle()  # the last copy's exchange, with the peers'
             self.controller.close(finished=finished)

@@ -1,17 +1,22 @@
 """Whole units from the distributed optimizer's shard copies, at a recovery.
 
-Each member publishes what it holds (``ShardReplicas``: its own copy and its predecessor's,
-as metadata) in the generation's store. A survivor can serve its units as a transfer source
-when every rank of its old data-parallel group has a copy at the agreed step on some member:
-the rank's own, or the replica its successor holds. ``unassemblable`` names the survivors
-that cannot (two neighbours of one group dead, copies of different steps): the decision
-treats them as stale, so units nobody can assemble fall back to the checkpoint.
-``assemble`` moves the copies each survivor lacks (point-to-point in the recovery group) and
-returns its units at that step as a ``StateView``.
+Each member publishes what it holds (``ShardReplicas``: its committed copies, its own and
+its predecessor's at each of its two newest committed steps, with their run states) in the
+generation's store; the copy in flight is not among them. ``choose`` picks the step the
+recovery resumes at: the newest at which every member holding model state can rebuild its
+units, so that all agree on one step's copies (a failure while a copy was in flight leaves
+some members committed to it and others not: they all still hold the step before).
+A survivor can serve its units as a transfer source when every rank of its old
+data-parallel group has a copy at that step on some member: the rank's own, or the replica
+its successor holds. ``unassemblable`` names the survivors that cannot (two neighbours of
+one group dead): the decision treats them as stale, so units nobody can assemble fall back
+to the checkpoint. ``assemble`` moves the copies each survivor lacks (point-to-point in the
+recovery group) and returns its units at that step as a ``StateView``.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Mapping, Sequence
 
@@ -20,43 +25,53 @@ import torch.distributed as dist
 
 from chameleon_megatron.resilience.decision.layout import EMBEDDING, OUTPUT, StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind
+from chameleon_megatron.resilience.recovery.host_copies import dtype_of
+from chameleon_megatron.resilience.recovery.run_state import RunState
 from chameleon_megatron.resilience.recovery.shard_replica import ShardCopy, ShardReplicas
 
-Held = Mapping[int, Mapping[str, Any]]
-"""Member -> {"own": copy metadata or None, "replica": copy metadata or None}."""
+Held = Mapping[int, Sequence[Mapping[str, Any]]]
+"""Member -> its committed copy sets, oldest first: {"own": copy metadata, "replica": copy
+metadata or None, "run": its run state (base64)}."""
 Move = tuple[int, str, int, int]
 """(source member, "own" or "replica", destination member, job rank whose copy)."""
+MAX_BUFFERS = 64
+"""Message tags are job rank x this + the copy's buffer index (one per dtype)."""
 
 
 def publish(scope: dist.Store, me: int, replicas: ShardReplicas | None) -> None:
-    own = replicas.own if replicas is not None else None
-    replica = replicas.replica if replicas is not None else None
-    scope.set(f"shards/{me}", json.dumps({"own": own and own.meta(),
-                                          "replica": replica and replica.meta()}))
+    sets = replicas.sets if replicas is not None else []
+    scope.set(f"shards/{me}", json.dumps([
+        {"own": s.own.meta(), "replica": s.replica and s.replica.meta(),
+         "run": base64.b64encode(s.run.to_bytes()).decode()} for s in sets]))
 
 
 def keys(members: Sequence[int]) -> list[str]:
     return [f"shards/{m}" for m in members]
 
 
-def read(scope: dist.Store, members: Sequence[int]) -> dict[int, dict]:
+def read(scope: dist.Store, members: Sequence[int]) -> dict[int, list]:
     return {m: json.loads(scope.get(k)) for m, k in zip(members, keys(members))}
+
+
+def _at(sets: Sequence[Mapping[str, Any]], iteration: int) -> Mapping[str, Any] | None:
+    return next((s for s in sets if s["own"]["iteration"] == iteration), None)
 
 
 def providers(held: Held, iteration: int) -> dict[int, tuple[int, str]]:
     """Job rank -> (member, slot) holding its copy at ``iteration`` (its own copy first)."""
     out: dict[int, tuple[int, str]] = {}
     for slot in ("own", "replica"):
-        for member, h in sorted(held.items()):
-            copy = h[slot]
-            if copy and copy["iteration"] == iteration:
+        for member, sets in sorted(held.items()):
+            found = _at(sets, iteration)
+            copy = found and found[slot]
+            if copy:
                 out.setdefault(copy["rank"], (member, slot))
     return out
 
 
 def _groups(held: Held) -> dict[int, tuple[int, ...]]:
-    """Member -> its old data-parallel group, for members holding a copy of their own."""
-    return {m: tuple(h["own"]["group"]) for m, h in held.items() if h["own"]}
+    """Member -> its data-parallel group (of its newest copies), for members holding any."""
+    return {m: tuple(sets[-1]["own"]["group"]) for m, sets in held.items() if sets}
 
 
 def unassemblable(held: Held, iteration: int) -> tuple[int, ...]:
@@ -65,6 +80,35 @@ def unassemblable(held: Held, iteration: int) -> tuple[int, ...]:
     return tuple(sorted(m for m, group in _groups(held).items()
                         if have.get(m, (None, ""))[1] != "own"
                         or any(x not in have for x in group)))
+
+
+def choose(held: Held, holders: Sequence[int]) -> int:
+    """The step whose copies the recovery uses: the newest at which every member of
+    ``holders`` (those holding model state) can rebuild its units; when there is none, the
+    newest any holds (the others are stale then); -1 when none holds a copy (pure)."""
+    steps = sorted({s["own"]["iteration"] for m in holders for s in held.get(m, ())},
+                   reverse=True)
+    for step in steps:
+        if not set(unassemblable(held, step)) & set(holders):
+            return step
+    return steps[0] if steps else -1
+
+
+def agreed_states(held: Held, states: Mapping[int, RunState]) -> dict[int, RunState]:
+    """Each member's run state at the step ``choose`` picks: a member holding model state
+    is at that step with the run state of its copies of it, or holds none (-1) without
+    them; spares keep theirs. A published state of that very step is kept (it says which
+    work after the step the member was inside)."""
+    holders = [m for m, s in states.items() if s.iteration >= 0]
+    step = choose(held, holders)
+    out = dict(states)
+    for m in holders:
+        if states[m].iteration == step:
+            continue
+        found = _at(held.get(m, ()), step)
+        out[m] = RunState.from_bytes(base64.b64decode(found["run"])) if found else \
+            RunState(iteration=-1, consumed_samples=0)
+    return out
 
 
 def sources(held: Held, iteration: int, completed: int) -> dict[str, Any]:
@@ -90,25 +134,26 @@ def assemble(group: Any, members: Sequence[int], me: int, held: Held,
     """Exchange the copies (collective over the recovery ``group``: every member calls it)
     and return this member's whole units at ``iteration`` (empty when it has none)."""
     index = {m: i for i, m in enumerate(members)}
+    mine = replicas.at(iteration) if replicas is not None else None
     works, got = [], []
     for src, slot, dst, rank in moves(held, iteration):
         if src == me:
-            copy = replicas.own if slot == "own" else replicas.replica
+            copy = mine.own if slot == "own" else mine.replica
             if dst == me:
                 got.append(copy)
             else:
-                works.append(group.send([copy.flat], index[dst], rank))
+                works += [group.send([flat], index[dst], rank * MAX_BUFFERS + j)
+                          for j, flat in enumerate(copy.data.buffers.flats)]
         elif dst == me:
-            meta = held[src][slot]
-            empty = ShardCopy.from_meta(meta, torch.zeros(0))
-            copy = ShardCopy.from_meta(meta, torch.zeros(empty.numel()))
-            works.append(group.recv([copy.flat], index[src], rank))
+            copy = ShardCopy.from_meta(_at(held[src], iteration)[slot])
+            works += [group.recv([flat], index[src], rank * MAX_BUFFERS + j)
+                      for j, flat in enumerate(copy.data.buffers.flats)]
             got.append(copy)
     for work in works:
         work.wait()
-    if replicas is None or replicas.own is None or me in unassemblable(held, iteration):
+    if mine is None or me in unassemblable(held, iteration):
         return AssembledUnits([])
-    return AssembledUnits([replicas.own, *got], keep=replicas.own.units)
+    return AssembledUnits([mine.own, *got], keep=mine.own.units)
 
 
 class AssembledUnits:
@@ -130,7 +175,7 @@ class AssembledUnits:
                 raise ValueError(f"unit {unit!r} {name}: the shard copies hold {count} of its "
                                  f"{whole} elements")
         first = copies[0] if copies else None
-        self._dtype = getattr(torch, first.dtype.removeprefix("torch.")) if first else None
+        self._dtype = dtype_of(first.dtype) if first else None
         self._keys = first.keys if first else ()
         if first and first.tied and "word_embeddings.weight" in self._entries.get(EMBEDDING, {}):
             self._entries.setdefault(OUTPUT, {})["output_layer.weight"] = \
@@ -139,22 +184,20 @@ class AssembledUnits:
                 self._shapes[(EMBEDDING, "word_embeddings.weight")]
 
     def _place(self, copy: ShardCopy, covered: dict) -> None:
-        offset = 0
-        for piece in copy.pieces:
-            sizes = copy.sizes(piece)
-            chunks = copy.flat[offset:offset + sum(sizes)].split(sizes)
-            offset += sum(sizes)
+        for i, piece in enumerate(copy.pieces):
             if (self._keep and piece.unit not in self._keep) or piece in self._placed:
                 continue  # (a plan keeps the tied copy whole on each holder: the same piece)
             self._placed.add(piece)
             whole = _numel(piece.shape)
             entry = self._entries.setdefault(piece.unit, {}).setdefault(piece.name, {})
             self._shapes[(piece.unit, piece.name)] = piece.shape
-            for key, chunk in zip(("main", *copy.keys), chunks):
-                if key == "step":
-                    entry[key] = chunk.reshape(()).clone()
+            for key in ("main", *copy.keys):
+                chunk = copy.tensor(i, key)
+                if chunk.dim() == 0:  # a scalar (Adam's step): the same on every piece
+                    entry[key] = chunk.clone()
                     continue
-                entry.setdefault(key, torch.zeros(whole))[piece.start:piece.end] = chunk
+                entry.setdefault(key, torch.zeros(whole, dtype=chunk.dtype))[
+                    piece.start:piece.end] = chunk
             key = (piece.unit, piece.name)
             covered[key] = covered.get(key, 0) + piece.numel
 
@@ -170,7 +213,7 @@ class AssembledUnits:
                 if self._dtype != torch.float32:
                     out[f"{name}/main"] = entry["main"].view(shape)
             else:
-                out.update({f"{name}/{key}": entry[key] if key == "step" else
+                out.update({f"{name}/{key}": entry[key] if entry[key].dim() == 0 else
                             entry[key].view(shape) for key in self._keys})
         return out
 

@@ -1,27 +1,33 @@
 """Copies of the distributed optimizer's shards in host memory, so that a dead rank's shard
 outlives it.
 
-Every ``ft.shard_replica_interval`` steps (and before the first step, and after each
-recovery) each rank copies its pieces (``dist_opt.owned``: the fp32 main piece and the
-optimizer state of every parameter piece it owns) to host memory and sends the copy to its
-successor in a ring (job ranks in ascending order, cyclic), receiving its predecessor's. The
-ring is the rank's data-parallel group on a megatron layout, and every live rank in a plan
-(whose parts are sharded over different holder sets). A barrier over the ring then commits
-both, with the run state of that step; a failure before the commit leaves the previous pair
-in force everywhere in the ring.
+Every ``ft.shard_replica_interval`` steps (and before the first step, after each recovery
+and before a join) each rank copies its pieces (``dist_opt.owned``: the fp32 main piece and
+the optimizer state of every parameter piece it owns) to host memory, tensor by tensor
+(``host_copies``; step counts as metadata), and sends the copy to its successor in a ring
+(job ranks in ascending order, cyclic), receiving its predecessor's. The ring is the rank's
+data-parallel group on a megatron layout, and every live rank in a plan (whose parts are
+sharded over different holder sets).
 
-The host memory used is two shards per rank (its own, its predecessor's). The recovery
-(``recovery/shard_assembly``) rebuilds whole units from the survivors' copies and the dead
-ranks' replicas, and the job resumes at their step.
+The exchange runs off the training thread: a background thread sends and receives over a
+gloo group of its own (one per world, ``_HostRing``), then all-reduces over it, which
+commits the pair: every rank of the world then holds the copies of that step, so a rank may
+recycle the buffers of its older pair at the next refresh. One copy is in flight at most
+(the next refresh waits for it); on a GPU the device-to-host copy runs on a side stream and
+the next optimizer step waits for it. Each rank keeps its two newest committed pairs (four
+shards of host memory): a recovery (``recovery/shard_assembly``) chooses the newest step
+whose copies every survivor can use, never the copy in flight, rebuilds whole units from
+them, and the job resumes at that step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +35,17 @@ import torch.distributed as dist
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.dist_opt import Piece, owned, state_keys
-from chameleon_megatron.resilience.model_state import tied_embedding, unit_parameters
+from chameleon_megatron.resilience.model_state import (
+    megatron_leaves,
+    tied_embedding,
+    unit_parameters,
+)
+from chameleon_megatron.resilience.recovery.host_copies import (
+    HostBuffers,
+    HostCopy,
+    HostMover,
+    Scalar,
+)
 from chameleon_megatron.resilience.recovery.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -47,117 +63,285 @@ class ShardCopy:
     iteration: int
     pieces: tuple[Piece, ...]
     keys: tuple[str, ...]
-    """Optimizer-state keys; ``step`` takes one element per piece, the others the piece's."""
+    """Optimizer-state keys (each piece has each)."""
     dtype: str
     """The model parameters' dtype (they are the main pieces cast to it)."""
     tied: bool
     """The model serves its word embedding as output weight too (one stage)."""
-    flat: torch.Tensor
-    """fp32; per piece, its main elements, then each key's."""
+    data: HostCopy
+    """Per piece ``i``: ``"i/main"`` and ``"i/<key>"`` in their own dtypes (a 0-dim state
+    entry, such as Adam's step, as a scalar)."""
     units: tuple[StateUnit, ...] = ()
     """The units the rank holds (the others' copies also hold pieces of units it lacks)."""
 
-    def sizes(self, piece: Piece) -> list[int]:
-        return [piece.numel] + [1 if key == "step" else piece.numel for key in self.keys]
+    def tensor(self, index: int, key: str) -> torch.Tensor:
+        """Piece ``index``'s ``key`` ("main" or an optimizer-state key), flat (0-dim for a
+        scalar)."""
+        t = self.data.tensor(f"{index}/{key}")
+        return t if t.dim() == 0 else t.reshape(-1)
 
-    def numel(self) -> int:
-        return sum(sum(self.sizes(p)) for p in self.pieces)
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
     def meta(self) -> dict[str, Any]:
+        """Everything but the data; the scalars are complete (after ``data.wait``)."""
         return {"rank": self.rank, "group": list(self.group), "iteration": self.iteration,
                 "pieces": [[p.unit, p.name, p.start, p.end, list(p.shape)]
                            for p in self.pieces],
                 "keys": list(self.keys), "dtype": self.dtype, "tied": self.tied,
-                "units": list(self.units)}
+                "units": list(self.units),
+                "tensors": [[n, list(s), d] for n, s, d in self.data.spec],
+                "scalars": self.data.scalars()}
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any], flat: torch.Tensor) -> ShardCopy:
+    def from_meta(cls, meta: dict[str, Any], reuse: HostBuffers | None = None) -> ShardCopy:
+        """A copy to receive the data of (``reuse``'s host memory when it fits)."""
         pieces = tuple(Piece(u, n, s, e, tuple(shape)) for u, n, s, e, shape in meta["pieces"])
+        spec = tuple((n, tuple(s), d) for n, s, d in meta["tensors"])
+        scalars: dict[str, Scalar] = {n: (v, d) for n, (v, d) in meta["scalars"].items()}
         return cls(rank=meta["rank"], group=tuple(meta["group"]), iteration=meta["iteration"],
                    pieces=pieces, keys=tuple(meta["keys"]), dtype=meta["dtype"],
-                   tied=meta["tied"], flat=flat, units=tuple(meta["units"]))
+                   tied=meta["tied"], data=HostCopy.received(spec, scalars, reuse),
+                   units=tuple(meta["units"]))
 
 
 @torch.no_grad()
-def collect(model: list[torch.nn.Module], optimizer: Any, *, rank: int,
-            group: tuple[int, ...], iteration: int) -> ShardCopy:
-    """This rank's pieces, copied to host memory."""
+def collect(model: list[torch.nn.Module], optimizer: Any, mover: HostMover, *, rank: int,
+            group: tuple[int, ...], iteration: int, reuse: HostBuffers | None = None
+            ) -> ShardCopy:
+    """This rank's pieces, being copied to host memory (``data.wait`` before reading)."""
     mine = owned(model, optimizer)
     keys = state_keys(optimizer)
-    parts = []
-    for own in mine:
-        parts.append(own.main.detach().reshape(-1))
-        parts += [own.state[key].detach().reshape(-1).float() for key in keys]
-    flat = torch.cat([p.float() for p in parts]).cpu() if parts else torch.zeros(0)
+    tensors = []
+    for i, own in enumerate(mine):
+        tensors.append((f"{i}/main", own.main))
+        tensors += [(f"{i}/{key}", own.state[key]) for key in keys]
+    data = mover.copy_out(tensors, reuse)
     dtype = str(mine[0].param.dtype) if mine else "torch.float32"
     return ShardCopy(rank=rank, group=tuple(sorted(group)), iteration=iteration,
                      pieces=tuple(o.piece for o in mine), keys=keys, dtype=dtype,
-                     tied=tied_embedding(model) is not None, flat=flat,
+                     tied=tied_embedding(model) is not None, data=data,
                      units=tuple(unit_parameters(model)))
 
 
-class ShardReplicas:
-    """This rank's committed copies: its own shard and its predecessor's."""
+@dataclass(frozen=True)
+class CopySet:
+    """A rank's copies of one step: its own shard, its predecessor's, and the run state."""
 
-    def __init__(self, interval: int) -> None:
-        self.interval = interval
-        self.own: ShardCopy | None = None
+    own: ShardCopy
+    replica: ShardCopy | None
+    run: RunState
+
+    @property
+    def iteration(self) -> int:
+        return self.own.iteration
+
+
+class _HostRing:
+    """A gloo group over the world for the copies alone: the thread exchanging them must
+    not share a group with the training thread. Made once per world, by every rank of it at
+    its first refresh (refreshes are collective over the world)."""
+
+    def __init__(self) -> None:
+        self._world: Any = None
+        self._group: dist.ProcessGroup | None = None
+
+    def group(self) -> dist.ProcessGroup:
+        world = dist.group.WORLD
+        if self._world is not world:  # (holding it: a new world is another object)
+            timeout_s = groups.current_timeout().total_seconds()
+            self._group = groups.new_groups([tuple(range(dist.get_world_size()))],
+                                            timeout_s=timeout_s, backend="gloo")[0]
+            self._world = world
+        return self._group
+
+
+class _Flight:
+    """The copy being taken: its exchange runs on a thread of its own."""
+
+    def __init__(self, copy: ShardCopy, run: RunState,
+                 exchange: Callable[[ShardCopy], ShardCopy | None]) -> None:
+        self.copy, self.run = copy, run
         self.replica: ShardCopy | None = None
-        self.run: RunState | None = None
-        """The run state of the step the copies hold."""
+        self.error: BaseException | None = None
         self.seconds = 0.0
-        """Time spent refreshing, in total (the steps wait for it)."""
+        self.hooks: list[Any] = []
+        self.reserved: ShardCopy | None = None
+        """The older copy whose host memory the predecessor's is received into."""
+        self._thread = threading.Thread(target=self._run, args=(exchange,),
+                                        name="shard-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self, exchange: Callable[[ShardCopy], ShardCopy | None]) -> None:
+        start = time.perf_counter()
+        try:
+            self.replica = exchange(self.copy)
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+
+    def join(self) -> None:
+        self._thread.join()
+        for hook in self.hooks:
+            hook.remove()
+
+
+class ShardReplicas:
+    """This rank's committed copies (its own shard and its predecessor's, at the two newest
+    committed steps) and the copy in flight."""
+
+    def __init__(self, interval: int, mover: HostMover | None = None,
+                 fault: Callable[[int], None] = lambda step: None) -> None:
+        """``fault(step)``: called in the exchange of the copy of ``step`` once the pair is
+        exchanged, before the commit (fault injection)."""
+        self.interval = interval
+        self.mover = mover or HostMover()
+        self.fault = fault
+        self.sets: list[CopySet] = []
+        """Committed, oldest first (at most two)."""
+        self._flight: _Flight | None = None
+        self._spare: CopySet | None = None
+        """A set dropped whole (at a layout's first copy): its host memory, for reuse."""
+        self._ring = _HostRing()
+        self.seconds = 0.0
+        """Time the training thread spent in refreshes (the steps wait for it)."""
+        self.exchange_seconds = 0.0
+        """Time the exchanges took on their thread, overlapping the steps."""
+
+    @property
+    def run(self) -> RunState | None:
+        """The run state of the newest committed copies (the copy in flight lands first:
+        committed, or dropped if its exchange failed)."""
+        self.settle()
+        return self.sets[-1].run if self.sets else None
+
+    def at(self, iteration: int) -> CopySet | None:
+        """The committed copies of step ``iteration``, if held."""
+        return next((s for s in self.sets if s.iteration == iteration), None)
 
     def due(self, iteration: int) -> bool:
         """Whether the copies are refreshed after step ``iteration``."""
-        return self.own is None or (iteration % self.interval == 0
-                                    and self.own.iteration != iteration)
+        newest = self._flight.copy.iteration if self._flight else \
+            self.sets[-1].iteration if self.sets else None
+        return newest is None or (iteration % self.interval == 0 and newest != iteration)
 
     def refresh(self, model: list[torch.nn.Module], optimizer: Any, run: RunState, *,
                 me: int, world_to_job: tuple[int, ...], ring: dist.ProcessGroup,
-                partners: tuple[int, ...] | None = None) -> None:
-        """Copy, exchange around ``ring`` (a gloo group), commit (collective over it).
-        ``partners``: the job ranks sharing this rank's units (None: the ring's)."""
+                partners: tuple[int, ...] | None = None, wait: bool = True) -> None:
+        """Copy, then exchange around ``ring`` (its members: every rank of the world calls
+        this) and commit, on a thread; ``wait``: return once committed (raises what the
+        exchange raised), and drop older copies (a new layout's first copy). The copy in
+        flight before lands first; its error, if any, is raised here. ``partners``: the job
+        ranks sharing this rank's units (None: the ring's)."""
         start = time.perf_counter()
+        self._land(raise_error=True)
         world = dist.get_process_group_ranks(ring)
         job = [world_to_job[w] for w in world]
-        copy = collect(model, optimizer, rank=me, group=partners or tuple(job),
-                       iteration=run.iteration)
+        recycled = self.sets.pop(0) if len(self.sets) > 1 else self._spare
+        self._spare = None
+        copy = collect(model, optimizer, self.mover, rank=me, group=partners or tuple(job),
+                       iteration=run.iteration, reuse=recycled and recycled.own.data.buffers)
         order = sorted(job)
-        replica = None
+        exchange = _Exchange(self._ring.group(), order, job, world, me,
+                             recycled and recycled.replica, self.fault)
+        self._flight = _Flight(copy, run, exchange)
+        self._flight.reserved = recycled and recycled.replica
+        self._flight.hooks = _fence_before_step(optimizer, copy.data)
+        if wait:
+            self._land(raise_error=True, drop_older=True)
+        self.seconds += time.perf_counter() - start
+
+    def settle(self) -> None:
+        """Wait for the copy in flight: committed, or dropped (its error logged)."""
+        self._land(raise_error=False)
+
+    def _land(self, *, raise_error: bool, drop_older: bool = False) -> None:
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        flight.join()
+        self.exchange_seconds += flight.seconds
+        if flight.error is not None:
+            logger.warning("shard copy of step %d failed: %s", flight.copy.iteration,
+                           flight.error)
+            self._spare = CopySet(flight.copy, flight.replica, flight.run)  # its memory
+            if raise_error:
+                raise flight.error
+            return
+        done = CopySet(flight.copy, flight.replica, flight.run)
+        if drop_older and self.sets:
+            self._spare = self.sets[-1]
+            self.sets = []
+        self.sets = [*self.sets[-1:], done]
+        logger.debug({"event": "shard_replica", "rank": done.own.rank,
+                      "iteration": done.iteration, "bytes": done.own.nbytes,
+                      "replica_of": done.replica and done.replica.rank,
+                      "exchange_s": round(flight.seconds, 6)})
+
+    def metrics(self) -> dict[str, Any]:
+        """Host memory held (committed copies and the one in flight) and the time the
+        training thread spent refreshing them."""
+        copies = [c for s in self.sets for c in (s.own, s.replica) if c is not None]
+        if self._flight is not None:  # its own copy, and the memory its replica lands in
+            copies += [c for c in (self._flight.copy, self._flight.reserved) if c is not None]
+        return {"shard_copy_bytes": sum(c.nbytes for c in copies),
+                "shard_copy_s": round(self.seconds, 6),
+                "shard_exchange_s": round(self.exchange_seconds, 6)}
+
+
+class _Exchange:
+    """One copy's exchange around the ring and its commit (run on the copy's thread)."""
+
+    def __init__(self, group: dist.ProcessGroup, order: list[int], job: list[int],
+                 world: list[int], me: int, reuse: ShardCopy | None,
+                 fault: Callable[[int], None]) -> None:
+        self.group, self.reuse, self.fault = group, reuse, fault
+        self.to = self.frm = None
         if len(order) > 1:
             k = order.index(me)
             after, before = order[(k + 1) % len(order)], order[k - 1]
-            to, frm = world[job.index(after)], world[job.index(before)]
-            sends = _send(copy, to, ring)
-            replica = _recv(frm, ring)
+            # the copies' group spans the world: its ranks are world ranks
+            self.to, self.frm = world[job.index(after)], world[job.index(before)]
+
+    def __call__(self, copy: ShardCopy) -> ShardCopy | None:
+        copy.data.wait()
+        replica = None
+        timeout = groups.current_timeout(self.group)
+        if self.to is not None:
+            sends = _send(copy, self.to, self.group)
+            replica = _recv(self.frm, self.group, self.reuse)
             for work in sends:
-                work.wait(groups.current_timeout(ring))
-            dist.all_reduce(torch.zeros(1), group=ring)  # everyone holds both: commit
-        self.own, self.replica, self.run = copy, replica, run
-        self.seconds += time.perf_counter() - start
-        logger.debug({"event": "shard_replica", "rank": me, "iteration": run.iteration,
-                      "bytes": copy.flat.numel() * 4, "replica_of": replica and replica.rank})
+                work.wait(timeout)
+        self.fault(copy.iteration)
+        dist.all_reduce(torch.zeros(1), group=self.group)  # every rank holds its pair: commit
+        return replica
 
 
-    def metrics(self) -> dict[str, Any]:
-        """Host memory held (own and replica copies) and the time spent refreshing them."""
-        held = sum(c.flat.numel() * 4 for c in (self.own, self.replica) if c is not None)
-        return {"shard_copy_bytes": held, "shard_copy_s": round(self.seconds, 6)}
+def _fence_before_step(optimizer: Any, data: HostCopy) -> list[Any]:
+    """On a GPU: the next optimizer step waits for the copy of the state it overwrites
+    (hooks removed when the copy lands). On the host the copy is complete already."""
+    if not data.asynchronous:
+        return []
+    return [leaf.optimizer.register_step_pre_hook(lambda *_: data.fence())
+            for leaf in megatron_leaves(optimizer)]
 
 
 def _send(copy: ShardCopy, dst: int, group: dist.ProcessGroup) -> list[dist.Work]:
     meta = torch.frombuffer(bytearray(json.dumps(copy.meta()).encode()), dtype=torch.uint8)
-    head = torch.tensor([meta.numel(), copy.flat.numel()], dtype=torch.int64)
-    return [dist.isend(t, dst=dst, group=group) for t in (head, meta, copy.flat)]
+    head = torch.tensor([meta.numel()], dtype=torch.int64)
+    return [dist.isend(t, dst=dst, group=group)
+            for t in (head, meta, *copy.data.buffers.flats)]
 
 
-def _recv(src: int, group: dist.ProcessGroup) -> ShardCopy:
+def _recv(src: int, group: dist.ProcessGroup, reuse: ShardCopy | None) -> ShardCopy:
     timeout = groups.current_timeout(group)
-    head = torch.zeros(2, dtype=torch.int64)
+    head = torch.zeros(1, dtype=torch.int64)
     dist.irecv(head, src=src, group=group).wait(timeout)
     meta = torch.zeros(int(head[0]), dtype=torch.uint8)
     dist.irecv(meta, src=src, group=group).wait(timeout)
-    flat = torch.zeros(int(head[1]), dtype=torch.float32)
-    dist.irecv(flat, src=src, group=group).wait(timeout)
-    return ShardCopy.from_meta(json.loads(meta.numpy().tobytes().decode()), flat)
+    copy = ShardCopy.from_meta(json.loads(meta.numpy().tobytes().decode()),
+                               reuse and reuse.data.buffers)
+    for flat in copy.data.buffers.flats:
+        dist.irecv(flat, src=src, group=group).wait(timeout)
+    return copy

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind, Transfer
+from chameleon_megatron.resilience.recovery.host_copies import HostMover
 from chameleon_megatron.resilience.store.waits import wait_keys
 
 logger = logging.getLogger(__name__)
@@ -81,18 +82,17 @@ class _Exchange:
         self.works: list = []
         self.unstage: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sent = self.received = self.copied = 0
+        self.mover = HostMover()
 
     def send(self, tensors: list[torch.Tensor], dst: int, base_tag: int) -> None:
-        for j, t in enumerate(tensors):
-            buf = t.detach().to("cpu").contiguous()  # gloo moves host memory
+        for j, buf in enumerate(self.mover.to_host(tensors)):  # gloo moves host memory
             self.works.append(self.group.send([buf], self.rank_of[dst], base_tag + j))
             self.sent += buf.numel() * buf.element_size()
 
     def recv(self, tensors: list[torch.Tensor], src: int, base_tag: int) -> None:
         for j, t in enumerate(tensors):
-            direct = t.device.type == "cpu" and t.is_contiguous()
-            buf = t if direct else torch.empty(t.shape, dtype=t.dtype)
-            if not direct:
+            buf = self.mover.staging(t)
+            if buf is not t:
                 self.unstage.append((buf, t))
             self.works.append(self.group.recv([buf], self.rank_of[src], base_tag + j))
             self.received += buf.numel() * buf.element_size()
@@ -105,8 +105,7 @@ class _Exchange:
     def finish(self) -> None:
         for work in self.works:
             work.wait()
-        for buf, target in self.unstage:
-            target.copy_(buf)
+        self.mover.to_device(self.unstage)
 
 
 @torch.no_grad()

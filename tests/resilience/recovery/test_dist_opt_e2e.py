@@ -169,3 +169,36 @@ def test_a_rerouted_job_recovers_again_from_the_plans_shard_copies(tmp_path: Pat
     seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
     assert seen == [1, 2, 3, 4, 5, 5, 6, 7, 8], seen
     assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=1e-4)
+
+
+def test_a_failure_while_a_copy_is_in_flight_resumes_from_the_committed_one(
+        tmp_path: Path) -> None:
+    """4 ranks, DP2 x PP2, interval 2: the copies of step 4 are exchanged on a thread while
+    step 5 runs, and rank 0 exits inside that exchange, once its pair is exchanged, before
+    the commit. No rank committed step 4's copies (its successor received rank 0's copy, but
+    a copy in flight is never read): the job resumes from the copies of step 2, rank 0's
+    from its replica, and redoes steps 3 to 5. Every loss and the final state are the
+    failure-free run's."""
+    flags = ("--use-distributed-optimizer",)
+    (tmp_path / "reference").mkdir()
+    ref_losses, ref_dump = run_reference(tmp_path / "reference", flags=flags)
+    job = tmp_path / "job"
+    job.mkdir()
+    profile = write_profile(job / "profile.json", favour="dp", tp=1)
+    recs, dumps, log = launch(job, 4, [
+        *flags, "--pipeline-model-parallel-size", "2", *FT,
+        "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
+        "--chameleon-ft-shard-replica-interval", "2",
+        *faults("rank=0,iteration=4,phase=copy,kind=exit")], timeout_s=400)
+    for r in recs:
+        if r["event"] == "iteration":
+            want = ref_losses[r["iteration"]]
+            assert abs(r["loss"] - want) <= 1e-4 * abs(want), (r["iteration"], r["loss"], want)
+    (done,) = [r for r in recs if r["event"] == "recovery"]
+    assert (done["failed_ranks"], done["fallback"]) == ([0], None), log[-4000:]
+    assert done["redo_iteration"] == 3 and done["state_from"] == {
+        "source": "shard copies", "iteration": 2, "rolled_back_steps": 2,
+        "replicas_of": [0]}, done
+    seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
+    assert seen == [1, 2, 3, 4, *range(3, ITERS + 1)], seen
+    assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=1e-4)

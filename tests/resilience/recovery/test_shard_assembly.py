@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 import torch
 
 from chameleon_megatron.resilience.dist_opt import Piece
 from chameleon_megatron.resilience.recovery import shard_assembly as sa
+from chameleon_megatron.resilience.recovery.host_copies import HostMover
+from chameleon_megatron.resilience.recovery.run_state import RunState
 from chameleon_megatron.resilience.recovery.shard_replica import ShardCopy
 
 GROUPS = ((0, 2, 4), (1, 3, 5))
@@ -21,13 +25,14 @@ def meta(rank: int, iteration: int) -> dict:
 
 
 def held(alive: list[int], iteration: int = 6, stale: dict[int, int] | None = None) -> dict:
-    """Each live rank's own copy, and its predecessor's (the ring of its group)."""
+    """Each live rank's committed copies (one set): its own copy, and its predecessor's
+    (the ring of its group)."""
     out = {}
     for r in alive:
         group = next(g for g in GROUPS if r in g)
         before = group[group.index(r) - 1]
         it = (stale or {}).get(r, iteration)
-        out[r] = {"own": meta(r, it), "replica": meta(before, it)}
+        out[r] = [{"own": meta(r, it), "replica": meta(before, it)}]
     return out
 
 
@@ -61,7 +66,7 @@ def test_copies_of_another_step_are_not_mixed() -> None:
 
 
 def test_spares_hold_nothing_and_take_no_part() -> None:
-    h = {**held([1, 2, 3, 4, 5]), 7: {"own": None, "replica": None}}
+    h = {**held([1, 2, 3, 4, 5]), 7: []}
     assert sa.unassemblable(h, 6) == () and all(7 not in m for m in sa.moves(h, 6))
 
 
@@ -69,9 +74,11 @@ def copy(rank: int, start: int, end: int, values: list[float], step: float,
          unit: int = 3) -> ShardCopy:
     piece = Piece(unit, "mlp.linear_fc1.weight", start, end, (2, 3))
     n = end - start
-    flat = torch.tensor(values[:n] + [v * 10 for v in values[:n]] + [step], dtype=torch.float32)
+    data = HostMover().copy_out([
+        ("0/main", torch.tensor(values[:n])), ("0/exp_avg", torch.tensor(values[:n]) * 10),
+        ("0/step", torch.tensor(step))])
     return ShardCopy(rank=rank, group=(0, 1), iteration=6, pieces=(piece,),
-                     keys=("exp_avg", "step"), dtype="torch.bfloat16", tied=False, flat=flat)
+                     keys=("exp_avg", "step"), dtype="torch.bfloat16", tied=False, data=data)
 
 
 def test_units_are_rebuilt_from_the_pieces() -> None:
@@ -100,3 +107,37 @@ def test_a_plan_rebuilds_only_its_own_units_and_each_piece_once() -> None:
         [1, 2, 3], [4, 5, 6]]
     with pytest.raises(ValueError, match="hold 2 of its 6 elements"):
         sa.AssembledUnits([whole, copy(1, 0, 2, [7, 8], 6.0, unit=4)])
+
+
+def with_run(h: dict, steps: dict[int, list[int]]) -> dict:
+    """``h``'s members holding committed sets at ``steps[member]`` (each with its run state:
+    consumed samples = 10 x step)."""
+    out = {}
+    for m, its in steps.items():
+        out[m] = [{**held([m], it)[m][0],
+                   "run": base64.b64encode(RunState(it, 10 * it).to_bytes()).decode()}
+                  for it in its]
+    return out
+
+
+def test_the_step_every_holder_can_use_is_chosen_not_the_newest() -> None:
+    """A failure while the copies of step 6 were in flight: ranks 1 and 2 committed them,
+    ranks 3, 4, 5 did not (the older pair, of step 4, is still held by everyone). At step 6
+    nobody holds the copies of ranks 3 and 4, so no group can be rebuilt: every member goes
+    back to step 4, with the run state of its copies of step 4."""
+    h = with_run({}, {1: [4, 6], 2: [4, 6], 3: [4], 4: [4], 5: [4]})
+    assert sa.unassemblable(h, 6) == (1, 2, 3, 4, 5) and sa.unassemblable(h, 4) == ()
+    assert sa.choose(h, [1, 2, 3, 4, 5]) == 4
+    published = {1: RunState(6, 60, after_step="eval"), 2: RunState(6, 60),
+                 3: RunState(4, 40, after_step="save"), 4: RunState(4, 40),
+                 5: RunState(4, 40), 7: RunState(-1, 0)}  # 7: a spare
+    states = sa.agreed_states(h, published)
+    assert {m: (s.iteration, s.consumed_samples) for m, s in states.items()} == {
+        1: (4, 40), 2: (4, 40), 3: (4, 40), 4: (4, 40), 5: (4, 40), 7: (-1, 0)}
+    assert states[3].after_step == "save"  # a state of that very step is kept as published
+    # everyone committed step 6: it is used
+    h = with_run({}, {m: [4, 6] for m in (1, 2, 3, 4, 5)})
+    assert sa.choose(h, [1, 2, 3, 4, 5]) == 6
+    # two neighbours dead at every step: the newest, the others stale (checkpoint)
+    h = with_run({}, {m: [4, 6] for m in (1, 3, 4, 5)})
+    assert sa.choose(h, [1, 3, 4, 5]) == 6 and sa.unassemblable(h, 6) == (4,)
