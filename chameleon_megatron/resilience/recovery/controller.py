@@ -54,7 +54,7 @@ from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
 from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
 from chameleon_megatron.resilience.model_state import ModelState
-from chameleon_megatron.resilience.recovery import run_state, shard_assembly
+from chameleon_megatron.resilience.recovery import memory_peak, run_state, shard_assembly
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
@@ -200,6 +200,8 @@ class RecoveryController:
         """Steps this rank had completed when the recovery in progress began."""
         self._state_from: dict[str, Any] | None = None
         """Where the recovery in progress takes the state from (for its record)."""
+        self._steady_peaks: dict[str, int | None] = {}
+        """This rank's memory peaks from the end of the last recovery to this one."""
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
@@ -296,6 +298,7 @@ class RecoveryController:
     def _serve(self, trainer: TrainerHandle, held: Held, started: float,
                timeouts: Timeouts) -> StepAction:
         """Recover into the next layout; a spare waits for a later generation (or the end)."""
+        self._steady_peaks = memory_peak.take()
         while True:
             if self._recover(trainer, held, timeouts, started):
                 return "redo"
@@ -539,7 +542,9 @@ class RecoveryController:
         if active and self.shards is not None:  # copies of the new layout's shards
             self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
-        self._finish(trainer, membership, decision, clock, moved, active)
+        peaks = _gather_peaks(group, membership.members, self.me, self._steady_peaks,
+                              memory_peak.take())
+        self._finish(trainer, membership, decision, clock, moved, active, peaks)
         return active
 
     # ----------------------------------------------------------------------- the steps
@@ -628,7 +633,8 @@ class RecoveryController:
                            "iteration %d under %s", trainer.iteration, path)
 
     def _finish(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
-                clock: PhaseClock, moved: int, active: bool) -> None:
+                clock: PhaseClock, moved: int, active: bool,
+                peaks: dict[str, Any]) -> None:
         new = membership.failed - self.known_failed
         failures = [f for f in read_failures(self.job) if f.rank in new]
         self.known_failed = membership.failed
@@ -655,7 +661,7 @@ class RecoveryController:
             cause="failure" if failures and self._cause not in ("join", "replan") else self._cause,
             joined=set(self._invited) & set(membership.members),
             state_from={"source": "checkpoint"} if decision.fallback
-            else self._state_from or {"source": "replicas"})
+            else self._state_from or {"source": "replicas"}, memory=peaks)
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
@@ -698,6 +704,27 @@ def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunStat
                       scheduler_state=agreed.scheduler, after_step=agreed.after_step)
     if donor is not None:
         set_rng_state(states[donor].rng)
+
+
+def _gather_peaks(group: Any, members: Sequence[int], me: int, steady: dict[str, int | None],
+                  recovery: dict[str, int | None]) -> dict[str, Any]:
+    """Every member's memory peaks, steady state and recovery, host and device (bytes; a
+    kind nobody measured is left out). Collective over the recovery group."""
+    kinds = [(where, window) for where in ("host", "device")
+             for window in ("steady", "recovery")]
+    mine = {"steady": steady, "recovery": recovery}
+    # One row per member, filled by its owner with peak + 1 (0: not measured): a sum.
+    table = torch.zeros((len(members), len(kinds)), dtype=torch.int64)
+    table[list(members).index(me)] = torch.tensor(
+        [(mine[w].get(k) or -1) + 1 for k, w in kinds], dtype=torch.int64)
+    group.allreduce([table]).wait()
+    table -= 1
+    out: dict[str, Any] = {"ranks": list(members)}
+    for j, (where, window) in enumerate(kinds):
+        column = [int(v) for v in table[:, j]]
+        if all(v >= 0 for v in column):
+            out.setdefault(where, {})[window] = column
+    return out
 
 
 def _group_sum(group: Any, value: int) -> int:
