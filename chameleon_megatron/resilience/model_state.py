@@ -124,6 +124,13 @@ def new_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> 
     return state
 
 
+def _fits(tensor: torch.Tensor | None, like: torch.Tensor, device: torch.device) -> bool:
+    """``tensor`` can stand for ``like`` (made on the meta device for ``device``)."""
+    where = device if like.device.type == "meta" else like.device
+    return (tensor is not None and tensor.shape == like.shape and tensor.dtype == like.dtype
+            and tensor.device == where)
+
+
 def optimizer_state(inner: torch.optim.Optimizer, main: torch.Tensor, group: dict) -> dict:
     """The optimizer state of ``main``, created (``new_state``) before its first step."""
     state = inner.state[main]
@@ -141,6 +148,7 @@ class ModelState:
                  role: Literal["source", "sink"]) -> None:
         self._units = unit_parameters(model)
         self._slots = optimizer_slots(optimizer)
+        self._adopted: set[int] = set()
         tied = tied_embedding(model)
         if role == "source" and tied is not None:
             self._units.setdefault(OUTPUT, {})[_OUTPUT_WEIGHT] = tied
@@ -150,6 +158,25 @@ class ModelState:
 
     def commit(self) -> None:
         """Nothing to do: a sink is written in place (``dist_opt.ShardSink`` stages)."""
+
+    def adopt(self, unit: StateUnit, kind: StateKind, source: dict[str, torch.Tensor]) -> None:
+        """Take ``source``'s optimizer state of ``unit`` (an old layout's, same names) as this
+        sink's own, without a copy, for each parameter whose state is not created yet and
+        whose every tensor matches (shape, dtype, device) and is not taken already (a tied
+        weight's state is offered twice)."""
+        if kind != "optimizer":
+            return
+        for name, param in self._units.get(unit, {}).items():
+            inner, main, group = self._slots[id(param)]
+            if inner.state.get(main):
+                continue
+            # the state torch would create, on the meta device: names, shapes and dtypes
+            template = new_state(inner, main.to("meta"), group)
+            taken = {key: source.get(f"{name}/{key}") for key in template}
+            if all(_fits(t, like, main.device) and id(t) not in self._adopted
+                   for t, like in zip(taken.values(), template.values())):
+                inner.state[main] = taken
+                self._adopted.update(id(t) for t in taken.values())
 
     def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
         params = self._units.get(unit, {})

@@ -6,6 +6,7 @@ import argparse
 import copy
 import logging
 import time
+import traceback
 from importlib.metadata import version
 from typing import Any
 
@@ -162,6 +163,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.args, self.optimizer)
         self._announce_model()
 
+    def drop_layout(self) -> None:
+        """Forget the model, optimizer, schedule and engine (``TrainerHandle.drop_layout``):
+        until ``rebuild`` or ``use_engine`` the trainer has none."""
+        for plugin in self.plugins:
+            plugin.on_model_dropped()
+        for name in ("model", "optimizer", "scheduler", "engine"):
+            self.__dict__.pop(name, None)
+
     def _new_world(self, rank: int, world_size: int, hints: dict[str, Any] | None) -> None:
         self.hints = dict(hints or {})
         # The first rank may have died: whoever is rank 0 now appends to the metrics file.
@@ -297,6 +306,9 @@ class Trainer:
         try:
             return work()
         except Exception as exc:
+            # The failed work's frames hold its activations and the layout's model: a redo
+            # or a recovery must not keep them (the traceback keeps its lines).
+            traceback.clear_frames(exc.__traceback__)
             action = self._on_step_failed(exc)
             if action is None:
                 raise

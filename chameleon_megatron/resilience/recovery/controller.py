@@ -54,7 +54,12 @@ from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
 from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
 from chameleon_megatron.resilience.model_state import ModelState
-from chameleon_megatron.resilience.recovery import memory_peak, run_state, shard_assembly
+from chameleon_megatron.resilience.recovery import (
+    memory_peak,
+    overlap,
+    run_state,
+    shard_assembly,
+)
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
@@ -112,12 +117,12 @@ class _NoState:
 
 @dataclass(frozen=True)
 class Held:
-    """What a member brings into a recovery: its run state and its old model state, which
-    stays alive (and unchanged) until the recovery has completed."""
+    """What a member brings into a recovery: its run state and its old model state's
+    tensors, which stay alive (and unchanged) until the recovery has completed; the model
+    and optimizer around them do not (``overlap``)."""
 
     run: RunState
     view: Any
-    keep: tuple = ()
 
     @classmethod
     def of(cls, trainer: TrainerHandle, rng: dict[str, Any],
@@ -132,8 +137,8 @@ class Held:
                 run = dataclasses.replace(run, after_step=trainer.after_step)
             return cls(run, _NoState())
         model, optimizer = trainer.model_and_optimizer()
-        return cls(run_state.of(trainer, rng), ModelState(model, optimizer, role="source"),
-                   (model, optimizer))
+        return cls(run_state.of(trainer, rng),
+                   overlap.SourceTensors(ModelState(model, optimizer, role="source")))
 
     @classmethod
     def nothing(cls) -> Held:
@@ -411,6 +416,7 @@ class RecoveryController:
         timeouts = windows(timeouts, self.longest_recovery_s)
         retries = 0
         while True:
+            self._free_layout(trainer)  # the old layout, or a failed attempt's new one
             self._window_s = timeouts.rendezvous_s
             self.generation += 1
             # the new generation's groups: only later events, or this attempt's retry
@@ -444,6 +450,11 @@ class RecoveryController:
                 logger.warning({"event": "recovery_retry", "rank": self.me,
                                 "failed_generation": self.generation, "error": str(exc),
                                 "next_window_s": timeouts.rendezvous_s})
+
+    def _free_layout(self, trainer: TrainerHandle) -> None:
+        """Let go of the layout this rank trained (the held state's tensors stay)."""
+        self.runtime = None
+        overlap.free_layout(trainer)
 
     def _abandoned(self) -> bool:
         """Whether the current attempt is over for everyone: a member asked for a retry,
@@ -530,12 +541,14 @@ class RecoveryController:
                 old = shard_assembly.assemble(group, membership.members, self.me, shards,
                                               self.shards, agreed.iteration)
             sink = sink_view(*trainer.model_and_optimizer()) if active else _NoState()
+            overlap.adopt_local(old, sink, decision.transfers, self.me)
             report = migrate(group, membership.members, self.me, decision.transfers,
                              old=old, new=sink, timeout_s=timeouts.rendezvous_s,
                              store=self.job.scoped(f"gen/{membership.generation}/migrate"),
                              abandoned=self._abandoned)
             if active:
                 sink.commit()
+            old = sink = None  # the assembled units: freed before new shard copies are made
             moved = _group_sum(group, report.sent_bytes)
             if active:
                 _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
