@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import traceback
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -27,6 +26,7 @@ import torch
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
+from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
     StepAction,
@@ -157,7 +157,7 @@ class LMLoop:
             except Leave:
                 raise
             except Exception as exc:
-                traceback.clear_frames(exc.__traceback__)  # the failed step's activations
+                clear_frames(exc)  # the failed step's activations
                 phase, iteration = self.after_step, self.iteration
                 try:
                     action = self._on_failed(exc)

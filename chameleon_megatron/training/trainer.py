@@ -6,7 +6,6 @@ import argparse
 import copy
 import logging
 import time
-import traceback
 from importlib.metadata import version
 from typing import Any
 
@@ -21,6 +20,7 @@ from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
+from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.megatron_engine import MegatronEngine
 from chameleon_megatron.training.metrics import log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
@@ -306,9 +306,7 @@ class Trainer:
         try:
             return work()
         except Exception as exc:
-            # The failed work's frames hold its activations and the layout's model: a redo
-            # or a recovery must not keep them (the traceback keeps its lines).
-            traceback.clear_frames(exc.__traceback__)
+            clear_frames(exc)  # a redo or a recovery must not keep the failed work's memory
             action = self._on_step_failed(exc)
             if action is None:
                 raise

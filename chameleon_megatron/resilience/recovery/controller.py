@@ -549,6 +549,7 @@ class RecoveryController:
             if active:
                 sink.commit()
             old = sink = None  # the assembled units: freed before new shard copies are made
+            overlap.give_back()
             moved = _group_sum(group, report.sent_bytes)
             if active:
                 _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))

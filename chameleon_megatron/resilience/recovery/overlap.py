@@ -12,6 +12,8 @@ of the units it receives, to the old state, not a second copy of all of it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 from typing import Any, Sequence
 
@@ -39,12 +41,23 @@ class SourceTensors:
 
 
 def free_layout(trainer: Any) -> None:
-    """The trainer lets go of its layout; cycles (DDP's hooks hold DDP) are collected and
-    the freed device memory goes back before the new layout's groups and model allocate."""
+    """The trainer lets go of its layout, whose memory goes back (``give_back``) before the
+    new layout's groups and model allocate."""
     trainer.drop_layout()
+    give_back()
+
+
+def give_back() -> None:
+    """Collect cycles (DDP's hooks hold DDP) and hand freed memory back: torch's CUDA cache,
+    and the C heap's free pages (glibc keeps them resident, where the new layout's large
+    allocations, mapped afresh, cannot reuse them)."""
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:  # glibc
+        trim(0)
 
 
 def adopt_local(old: Any, new: Any, transfers: Sequence[Transfer], me: int) -> None:
