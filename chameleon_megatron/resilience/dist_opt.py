@@ -116,6 +116,19 @@ class ShardSink:
                                                        scalar=key == "step")
         return out
 
+    def adopt(self, unit: StateUnit, kind: StateKind, source: dict[str, torch.Tensor]) -> None:
+        """Stage ``source``'s tensors of ``unit`` (old state, same names) without a copy where
+        they fit: staging is only read, by ``commit``."""
+        for name, param in self._units.get(unit, {}).items():
+            names = ([f"{name}/main"] if param.dtype != torch.float32 else []) \
+                if kind == "params" else [f"{name}/{key}" for key in self._keys]
+            for staged in names:
+                t = source.get(staged)
+                shape = () if staged.endswith("/step") else param.shape
+                if t is not None and t.shape == shape and t.dtype == torch.float32 \
+                        and t.device == param.device:
+                    self._staged.setdefault((unit, staged), t)
+
     @torch.no_grad()
     def commit(self) -> None:
         """Keep this rank's pieces of what was received (every tensor must have been)."""

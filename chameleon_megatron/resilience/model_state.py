@@ -111,6 +111,17 @@ def optimizer_slots(optimizer: Any) -> dict[int, Slot]:
     return slots
 
 
+def _fits(tensor: torch.Tensor | None, key: str, main: torch.Tensor) -> bool:
+    """``tensor`` can be ``main``'s state entry ``key`` as the optimizer would create it: the
+    step a 0-dim fp32 scalar, the others ``main``'s shape, dtype and device."""
+    if tensor is None:
+        return False
+    if key == "step":
+        return tensor.dim() == 0 and tensor.dtype == torch.float32
+    return (tensor.shape == main.shape and tensor.dtype == main.dtype
+            and tensor.device == main.device)
+
+
 class ModelState:
     """A ``StateView`` over model chunks and their megatron optimizer. As a sink, state the
     optimizer stores otherwise than shown (a param group's step, scaled or low-precision
@@ -122,6 +133,7 @@ class ModelState:
         self._slots = optimizer_slots(optimizer)
         self._role = role
         self._staged: dict[int, dict[str, torch.Tensor]] = {}
+        self._adopted: set[int] = set()
         tied = tied_embedding(model)
         if role == "source" and tied is not None:
             self._units.setdefault(OUTPUT, {})[_OUTPUT_WEIGHT] = tied
@@ -149,6 +161,23 @@ class ModelState:
             if stage:
                 values[name] = staged.setdefault(name, torch.zeros_like(values[name]))
         return values
+
+    def adopt(self, unit: StateUnit, kind: StateKind, source: dict[str, torch.Tensor]) -> None:
+        """Take ``source``'s optimizer state of ``unit`` (an old layout's, same names) as this
+        sink's own, without a copy, for each parameter whose state is not created yet and
+        whose every tensor matches (shape, dtype, device) and is not taken already (a tied
+        weight's state is offered twice)."""
+        if kind != "optimizer":
+            return
+        for name, param in self._units.get(unit, {}).items():
+            slot = self._slots[id(param)]
+            if slot.optimizer.state.get(slot.main) or any(slot.staged().values()):
+                continue  # created already, or stored otherwise than shown (staged)
+            taken = {key: source.get(f"{name}/{key}") for key in slot.keys()}
+            if taken and all(_fits(t, key, slot.main) and id(t) not in self._adopted
+                             for key, t in taken.items()):
+                slot.optimizer.state[slot.main] = taken
+                self._adopted.update(id(t) for t in taken.values())
 
     def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
         params = self._units.get(unit, {})

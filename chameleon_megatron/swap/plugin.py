@@ -110,11 +110,13 @@ class SwapPlugin(TrainerPlugin):
         self._step_rng: dict[str, Any] | None = None
         self._launch_pp_size: int | None = None
         """Pipeline depth of the first build (a recovery may change it later)."""
+        self._oom_factor = 1.0
+        """What out-of-memory errors taught, kept over a dropped model."""
 
     def on_model_built(self, ctx: TrainContext) -> None:
         """Build tracker, executor and manager for this rank's model (again after a rebuild,
         keeping what out-of-memory errors taught)."""
-        oom_factor = self.manager.oom_factor if self.manager is not None else 1.0
+        oom_factor = self.manager.oom_factor if self.manager is not None else self._oom_factor
         self._teardown()
         cfg, device = self.config, ctx.device
         spec = budget_spec(cfg, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, device=device,
@@ -149,6 +151,12 @@ class SwapPlugin(TrainerPlugin):
         if speaks:
             logger.info({"event": "swap_ready", "rank": ctx.rank, "stage": ctx.pp_rank,
                          "bandwidth_gbps": bandwidth / 1e9, "budget": spec})
+
+    def on_model_dropped(self) -> None:
+        """The seams and the executor hold the old model's modules and parameters."""
+        if self.manager is not None:
+            self._oom_factor = self.manager.oom_factor
+        self._teardown()
 
     def step_context(self, iteration: int, *, training: bool) -> ContextManager[None]:
         if not training or self.manager is None:

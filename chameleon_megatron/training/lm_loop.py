@@ -26,6 +26,7 @@ import torch
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
+from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
     StepAction,
@@ -92,6 +93,8 @@ class LMLoop:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.config: Any = None
+        self._device = torch.device("cpu")
+        """Where the model was, kept over ``drop_layout``."""
         self.hints: dict[str, Any] = {}
         self._iterators: dict[int, Any] = {}
         """id(an iterator pretrain() built) -> the one that replaces it now."""
@@ -154,6 +157,7 @@ class LMLoop:
             except Leave:
                 raise
             except Exception as exc:
+                clear_frames(exc)  # the failed step's activations
                 phase, iteration = self.after_step, self.iteration
                 try:
                     action = self._on_failed(exc)
@@ -269,7 +273,7 @@ class LMLoop:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model[0].parameters()).device
+        return next(self.model[0].parameters()).device if self.model else self._device
 
     @property
     def rank(self) -> int:
@@ -284,6 +288,20 @@ class LMLoop:
 
     def model_and_optimizer(self) -> tuple[list[Any], Any]:
         return self.model, self.optimizer
+
+    def drop_layout(self) -> None:
+        """Forget the model, optimizer and schedule until the next ``rebuild``. pretrain()
+        and the first entry of train() still hold the objects pretrain() built: only the
+        layouts built here are freed."""
+        if not self.model:
+            return
+        self._device = self.device
+        for plugin in self.plugins:
+            plugin.on_model_dropped()
+        # train() set the config's sync functions to the model's bound methods
+        self.config.no_sync_func = self.config.grad_sync_func = None
+        self.config.param_sync_func = None
+        self.model, self.optimizer, self.scheduler = [], None, None
 
     def use_engine(self, engine: Any, *, rank: int, world_size: int,
                    hints: dict[str, Any] | None = None) -> None:

@@ -105,12 +105,21 @@ class TrainerHandle(Protocol):
     def drop_final_save(self) -> None:
         """Do not write the checkpoint at the end (this process holds no part of the model)."""
 
+    def drop_layout(self) -> None:
+        """Let go of the current layout's model, optimizer, schedule and engine (a recovery,
+        before the next layout is built: they are freed with their last references)."""
+
 
 class TrainerPlugin:
     """Hooks the trainer calls; subclasses override what they need."""
 
     def on_model_built(self, ctx: TrainContext) -> None:
         """Called once after model, DDP and optimizer exist, before the first step."""
+
+    def on_model_dropped(self) -> None:
+        """The trainer lets go of the model announced last (``TrainerHandle.drop_layout``):
+        release every reference to it (hooks, wrappers, buffers) until the next
+        ``on_model_built``."""
 
     def step_context(self, iteration: int, *, training: bool) -> ContextManager[None]:
         """Entered around one call of the forward-backward function (train or eval)."""

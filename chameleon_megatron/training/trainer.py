@@ -20,6 +20,7 @@ from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
+from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.megatron_engine import MegatronEngine
 from chameleon_megatron.training.metrics import log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
@@ -162,6 +163,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.args, self.optimizer)
         self._announce_model()
 
+    def drop_layout(self) -> None:
+        """Forget the model, optimizer, schedule and engine (``TrainerHandle.drop_layout``):
+        until ``rebuild`` or ``use_engine`` the trainer has none."""
+        for plugin in self.plugins:
+            plugin.on_model_dropped()
+        for name in ("model", "optimizer", "scheduler", "engine"):
+            self.__dict__.pop(name, None)
+
     def _new_world(self, rank: int, world_size: int, hints: dict[str, Any] | None) -> None:
         self.hints = dict(hints or {})
         # The first rank may have died: whoever is rank 0 now appends to the metrics file.
@@ -297,6 +306,7 @@ class Trainer:
         try:
             return work()
         except Exception as exc:
+            clear_frames(exc)  # a redo or a recovery must not keep the failed work's memory
             action = self._on_step_failed(exc)
             if action is None:
                 raise

@@ -102,6 +102,9 @@ def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None,
         def on_model_built(self, ctx: Any) -> None:
             self.ctx = ctx
 
+        def on_model_dropped(self) -> None:
+            self.ctx = None
+
         @contextlib.contextmanager
         def step_context(self, iteration: int, *, training: bool):
             if training:
@@ -127,6 +130,56 @@ def dump_plugin(iters: int, pace_s: float = 0.0, oom_at: int | None = None,
     return plugin
 
 
+def freed_check() -> Any:
+    """A plugin that, after each step, takes weak references to the layout being trained
+    (engine, runtime, model chunks, a parameter, optimizer, DDP gradient buffers), and a
+    ``check`` that lists those still alive: called as the next layout's model is built."""
+    import weakref
+
+    from chameleon_megatron.training.plugin import TrainerPlugin
+
+    class FreedCheck(TrainerPlugin):
+        def __init__(self) -> None:
+            self.refs: list = []
+            self.checks: list[list[str]] = []
+
+        def between_steps(self, trainer: Any) -> None:
+            engine = trainer.engine
+            runtime = getattr(engine, "rt", None)
+            ddps = [*trainer.model, *(runtime.parts if runtime is not None else [])]
+            named = [("engine", engine), ("runtime", runtime), ("optimizer", trainer.optimizer),
+                     ("parameter", next(trainer.model[0].parameters())),
+                     *((f"chunk {i}", c) for i, c in enumerate(trainer.model)),
+                     *((f"grad buffer {i}", b.grad_data)
+                       for i, b in enumerate(b for d in ddps for b in _ddp_buffers(d)))]
+            self.refs = [(name, weakref.ref(obj)) for name, obj in named if obj is not None]
+
+        def check(self) -> None:
+            if self.refs:
+                self.checks.append([name for name, ref in self.refs if ref() is not None])
+
+    return FreedCheck()
+
+
+def _ddp_buffers(module: Any) -> list:
+    """megatron DDP's parameter-and-gradient buffers (a list attribute: other modules have
+    the ``Module.buffers`` method there)."""
+    buffers = getattr(module, "buffers", None)
+    return buffers if isinstance(buffers, list) else []
+
+
+def check_before_builds(plugin: Any) -> None:
+    """Run ``plugin.check`` as a megatron layout's chunks or a plan's stage are built."""
+    from chameleon_megatron.resilience.execution import runtime
+    from chameleon_megatron.training import model
+
+    for module, name in ((model, "build_model_chunks"), (runtime, "build_stage_model")):
+        def checked(*args: Any, _build: Any = getattr(module, name), **kwargs: Any) -> Any:
+            plugin.check()
+            return _build(*args, **kwargs)
+        setattr(module, name, checked)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", type=Path, required=True)
@@ -136,6 +189,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stall-at", default=None, metavar="RANK:ITERATION:SECONDS")
     parser.add_argument("--fused", default=None, choices=["te", "apex"])
     parser.add_argument("--precision-aware", default=None, choices=["bf16", "bf16-remainders"])
+    parser.add_argument("--check-freed", action="store_true",
+                        help="write DIR/<rank>.freed.json: what of the old layout was alive "
+                             "when each new one was built")
     ours, rest = parser.parse_known_args(argv)
     me = int(os.environ.get("RANK", "0"))
     oom_at = stall = None
@@ -165,12 +221,18 @@ def main(argv: list[str]) -> int:
     from chameleon_megatron.logs import setup_logging
 
     plugin = dump_plugin(ours.iters, ours.pace_s, oom_at, stall)
+    extra = [plugin]
+    if ours.check_freed:
+        extra.append(freed := freed_check())
+        check_before_builds(freed)
     build = pretrain_gpt.build_plugins
-    pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), plugin]
+    pretrain_gpt.build_plugins = lambda cfg: [*build(cfg), *extra]
     setup_logging(int(os.environ.get("RANK", 0)))
     pretrain_gpt.run([*rest, "--train-iters", str(ours.iters)])
     rank = os.environ.get("CHAMELEON_FT_JOIN_ID") or os.environ.get("RANK", "0")
     (ours.dump / f"{rank}.json").write_text(json.dumps(plugin.dump or {"spare": True}))
+    if ours.check_freed:
+        (ours.dump / f"{rank}.freed").write_text(json.dumps(freed.checks))
     return 0
 
 

@@ -12,6 +12,7 @@ from chameleon_megatron.config import build_config
 from chameleon_megatron.megatron.platform import CpuPlatform
 from chameleon_megatron.resilience.model_state import ModelState, optimizer_slots
 from chameleon_megatron.resilience.optim_layout import Slot, layout_of
+from chameleon_megatron.resilience.recovery.overlap import SourceTensors
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import DistEnv
@@ -125,6 +126,37 @@ def test_moving_all_state_reproduces_the_next_step_and_params_alone_do_not(train
         assert without_moments[1] != pytest.approx(reference[1], rel=1e-6)
     else:
         assert without_moments == reference
+
+
+def test_a_new_layout_adopts_the_old_optimizer_state_once_without_a_copy(trainer) -> None:
+    """A unit that stays on its rank: the new optimizer takes the old state tensors
+    themselves (recovery.overlap.adopt_local); a tensor already taken is not taken twice
+    (a tied weight's state is offered under two units), nor one that does not fit."""
+    trainer.train_one()
+    old = SourceTensors(ModelState(trainer.model, trainer.optimizer, role="source"))
+    trainer.drop_layout()
+    trainer.rebuild(tp=1, pp=1, rank=0, world_size=1)
+    new = ModelState(trainer.model, trainer.optimizer, role="sink")
+    new.adopt(0, "optimizer", old.tensors(0, "optimizer"))
+    new.adopt(1, "optimizer", old.tensors(0, "optimizer"))  # layer 0's again: refused
+    wrong = {n: t[..., :1] if t.dim() else t for n, t in old.tensors("embedding",
+                                                                      "optimizer").items()}
+    new.adopt("embedding", "optimizer", wrong)  # shapes do not fit: refused
+    given = {id(t) for u in ("embedding", 0, 1) for t in old.tensors(u, "optimizer").values()}
+    if trainer.args.optimizer == "sgd" and not trainer.args.sgd_momentum:
+        assert new.tensors(0, "optimizer") == {}  # no state to adopt
+        return
+    if any(any(s.staged().values()) for s in optimizer_slots(trainer.optimizer).values()):
+        # a fused Adam keeps its step in the param group: its state is written, not adopted
+        assert not any(t is old.tensors(0, "optimizer").get(n)
+                       for n, t in new.tensors(0, "optimizer").items())
+        return
+    for name, t in new.tensors(0, "optimizer").items():
+        assert t is old.tensors(0, "optimizer")[name], name
+    for unit in (1, "embedding"):
+        fresh = new.tensors(unit, "optimizer")
+        assert fresh and not {id(t) for t in fresh.values()} & given, unit
+        assert all(not t.any() for k, t in fresh.items() if not k.endswith("/step"))
 
 
 def test_a_zero_momentum_buffer_gives_sgds_first_step_exactly() -> None:

@@ -54,7 +54,12 @@ from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
 from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
 from chameleon_megatron.resilience.model_state import ModelState
-from chameleon_megatron.resilience.recovery import run_state, shard_assembly
+from chameleon_megatron.resilience.recovery import (
+    memory_peak,
+    overlap,
+    run_state,
+    shard_assembly,
+)
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
@@ -112,12 +117,12 @@ class _NoState:
 
 @dataclass(frozen=True)
 class Held:
-    """What a member brings into a recovery: its run state and its old model state, which
-    stays alive (and unchanged) until the recovery has completed."""
+    """What a member brings into a recovery: its run state and its old model state's
+    tensors, which stay alive (and unchanged) until the recovery has completed; the model
+    and optimizer around them do not (``overlap``)."""
 
     run: RunState
     view: Any
-    keep: tuple = ()
 
     @classmethod
     def of(cls, trainer: TrainerHandle, rng: dict[str, Any],
@@ -132,8 +137,8 @@ class Held:
                 run = dataclasses.replace(run, after_step=trainer.after_step)
             return cls(run, _NoState())
         model, optimizer = trainer.model_and_optimizer()
-        return cls(run_state.of(trainer, rng), ModelState(model, optimizer, role="source"),
-                   (model, optimizer))
+        return cls(run_state.of(trainer, rng),
+                   overlap.SourceTensors(ModelState(model, optimizer, role="source")))
 
     @classmethod
     def nothing(cls) -> Held:
@@ -201,6 +206,8 @@ class RecoveryController:
         """Steps this rank had completed when the recovery in progress began."""
         self._state_from: dict[str, Any] | None = None
         """Where the recovery in progress takes the state from (for its record)."""
+        self._steady_peaks: dict[str, int | None] = {}
+        """This rank's memory peaks from the end of the last recovery to this one."""
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
@@ -299,6 +306,7 @@ class RecoveryController:
     def _serve(self, trainer: TrainerHandle, held: Held, started: float,
                timeouts: Timeouts) -> StepAction:
         """Recover into the next layout; a spare waits for a later generation (or the end)."""
+        self._steady_peaks = memory_peak.take()
         while True:
             if self._recover(trainer, held, timeouts, started):
                 return "redo"
@@ -411,6 +419,7 @@ class RecoveryController:
         timeouts = windows(timeouts, self.longest_recovery_s)
         retries = 0
         while True:
+            self._free_layout(trainer)  # the old layout, or a failed attempt's new one
             self._window_s = timeouts.rendezvous_s
             self.generation += 1
             # the new generation's groups: only later events, or this attempt's retry
@@ -446,6 +455,11 @@ class RecoveryController:
                 logger.warning({"event": "recovery_retry", "rank": self.me,
                                 "failed_generation": self.generation, "error": str(exc),
                                 "next_window_s": timeouts.rendezvous_s})
+
+    def _free_layout(self, trainer: TrainerHandle) -> None:
+        """Let go of the layout this rank trained (the held state's tensors stay)."""
+        self.runtime = None
+        overlap.free_layout(trainer)
 
     def _abandoned(self) -> bool:
         """Whether the current attempt is over for everyone: a member asked for a retry,
@@ -534,19 +548,24 @@ class RecoveryController:
                 old = shard_assembly.assemble(group, membership.members, self.me, shards,
                                               self.shards, agreed.iteration)
             sink = sink_view(*trainer.model_and_optimizer()) if active else _NoState()
+            overlap.adopt_local(old, sink, decision.transfers, self.me)
             report = migrate(group, membership.members, self.me, decision.transfers,
                              old=old, new=sink, timeout_s=timeouts.rendezvous_s,
                              store=self.job.scoped(f"gen/{membership.generation}/migrate"),
                              abandoned=self._abandoned)
             if active:
                 sink.commit()
+            old = sink = None  # the assembled units: freed before new shard copies are made
+            overlap.give_back()
             moved = _group_sum(group, report.sent_bytes)
             if active:
                 _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
         if active and self.shards is not None:  # copies of the new layout's shards
             self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
-        self._finish(trainer, membership, decision, clock, moved, active)
+        peaks = _gather_peaks(group, membership.members, self.me, self._steady_peaks,
+                              memory_peak.take())
+        self._finish(trainer, membership, decision, clock, moved, active, peaks)
         return active
 
     # ----------------------------------------------------------------------- the steps
@@ -635,7 +654,8 @@ class RecoveryController:
                            "iteration %d under %s", trainer.iteration, path)
 
     def _finish(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
-                clock: PhaseClock, moved: int, active: bool) -> None:
+                clock: PhaseClock, moved: int, active: bool,
+                peaks: dict[str, Any]) -> None:
         new = membership.failed - self.known_failed
         failures = [f for f in read_failures(self.job) if f.rank in new]
         self.known_failed = membership.failed
@@ -662,7 +682,7 @@ class RecoveryController:
             cause="failure" if failures and self._cause not in ("join", "replan") else self._cause,
             joined=set(self._invited) & set(membership.members),
             state_from={"source": "checkpoint"} if decision.fallback
-            else self._state_from or {"source": "replicas"})
+            else self._state_from or {"source": "replicas"}, memory=peaks)
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
@@ -705,6 +725,27 @@ def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunStat
                       scheduler_state=agreed.scheduler, after_step=agreed.after_step)
     if donor is not None:
         set_rng_state(states[donor].rng)
+
+
+def _gather_peaks(group: Any, members: Sequence[int], me: int, steady: dict[str, int | None],
+                  recovery: dict[str, int | None]) -> dict[str, Any]:
+    """Every member's memory peaks, steady state and recovery, host and device (bytes; a
+    kind nobody measured is left out). Collective over the recovery group."""
+    kinds = [(where, window) for where in ("host", "device")
+             for window in ("steady", "recovery")]
+    mine = {"steady": steady, "recovery": recovery}
+    # One row per member, filled by its owner with peak + 1 (0: not measured): a sum.
+    table = torch.zeros((len(members), len(kinds)), dtype=torch.int64)
+    table[list(members).index(me)] = torch.tensor(
+        [(mine[w].get(k) or -1) + 1 for k, w in kinds], dtype=torch.int64)
+    group.allreduce([table]).wait()
+    table -= 1
+    out: dict[str, Any] = {"ranks": list(members)}
+    for j, (where, window) in enumerate(kinds):
+        column = [int(v) for v in table[:, j]]
+        if all(v >= 0 for v in column):
+            out.setdefault(where, {})[window] = column
+    return out
 
 
 def _group_sum(group: Any, value: int) -> int:

@@ -107,6 +107,11 @@ class ResiliencePlugin(TrainerPlugin):
                 handle.remove()
         self._remove_hooks = remove
 
+    def on_model_dropped(self) -> None:
+        """The hooks hold the old model and optimizer (the fault hooks' closure)."""
+        self._remove_hooks()
+        self._remove_hooks = lambda: None
+
     def _start(self, ctx: TrainContext) -> RecoveryController:
         check_recoverable(ctx, self.ft)
         a = ctx.args

@@ -42,7 +42,8 @@ def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
                     layout_after: dict[str, Any], spares: Iterable[int], redo_iteration: int,
                     migrated_bytes: int, fallback: str | None = None, cause: str = "failure",
                     joined: Iterable[int] = (),
-                    state_from: dict[str, Any] | None = None) -> dict[str, Any]:
+                    state_from: dict[str, Any] | None = None,
+                    memory: dict[str, Any] | None = None) -> dict[str, Any]:
     """``cause``: "failure"; a change between steps without one: "join" (new members
     admitted: ``joined``) or "replan" (leaving rerouting for a re-planned layout); or why a
     live rank abandoned a step that every rank then redid ("oom"). ``state_from``: where the
@@ -65,6 +66,7 @@ def recovery_record(*, generation: int, failures: Iterable[FailureRecord],
         "fallback": fallback,
         "joined": sorted(joined),
         "state_from": state_from or {"source": "replicas"},
+        "memory_peak_bytes": memory or {},
     }
 
 

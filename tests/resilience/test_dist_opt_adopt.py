@@ -1,0 +1,59 @@
+"""The distributed optimizer's sink adopts a local unit's old tensors as its staging (one
+process, the trainer's model with --use-distributed-optimizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chameleon_megatron.config import build_config
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.platform import CpuPlatform
+from chameleon_megatron.resilience.dist_opt import owned, sink_view
+from chameleon_megatron.training.arguments import parse_args
+from chameleon_megatron.training.env import DistEnv
+from chameleon_megatron.training.trainer import Trainer
+from chameleon_megatron.training.validate import validate_args
+
+pytestmark = pytest.mark.timeout(120)
+
+ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "8", "--mock-data", "--vocab-size", "64", "--lr", "1e-2",
+        "--log-interval", "100"]
+
+
+def test_a_shard_sink_stages_adopted_tensors_without_a_copy() -> None:
+    """The distributed optimizer's sink reads a local unit's old whole tensors in place
+    (no staging copy) and keeps its pieces of them at ``commit``; a misfit is staged anew."""
+    args = parse_args([*ARGS, "--use-distributed-optimizer"])
+    validate_args(args, 1)
+    platform = CpuPlatform()
+    platform.apply()
+    run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
+    try:
+        run.setup()
+        sink = sink_view(run.model, run.optimizer)
+        wanted = {n: t.shape for n, t in sink.tensors(0, "optimizer").items()}
+        source = {n: torch.rand(shape) for n, shape in wanted.items()}
+        sink = sink_view(run.model, run.optimizer)  # nothing staged yet
+        sink.adopt(0, "optimizer", source)
+        sink.adopt(1, "optimizer", {n: t[..., :1] if t.dim() else t for n, t in source.items()})
+        staged = sink.tensors(0, "optimizer")
+        assert all(staged[n] is source[n] for n in wanted)
+        assert not any(t.any() for n, t in sink.tensors(1, "optimizer").items()
+                       if not n.endswith("/step"))
+        for t in sink.tensors(1, "optimizer").values():
+            t.fill_(1.0)
+        for u in ("embedding", "output"):
+            for t in sink.tensors(u, "optimizer").values():
+                t.fill_(1.0)
+        sink.commit()
+        for own in owned(run.model, run.optimizer):
+            if own.piece.unit == 0:
+                want = source[f"{own.piece.name}/exp_avg"].view(-1)[own.piece.start:own.piece.end]
+                assert torch.equal(own.state["exp_avg"], want), own.piece
+    finally:
+        run.close()
+        groups.destroy()
+        platform.remove()
