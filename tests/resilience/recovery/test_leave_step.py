@@ -66,7 +66,8 @@ def test_a_failed_recovery_attempt_leaves_its_groups_before_the_next() -> None:
         return True
 
     controller._attempt = attempt
-    assert controller._recover(None, None, controller.detector.timeouts, time.time())
+    trainer = SimpleNamespace(drop_layout=lambda: None)  # it holds no layout to free
+    assert controller._recover(trainer, None, controller.detector.timeouts, time.time())
     assert seen == [[], LEFT] and controller.generation == 2
 
 
