@@ -182,12 +182,16 @@ def restore_from_shard_copy(model: list, optimizer: Any, iteration: int,
     from chameleon_megatron.resilience.dist_opt import sink_view
     from chameleon_megatron.resilience.model_state import unit_parameters
     from chameleon_megatron.resilience.recovery.shard_assembly import AssembledUnits
+    from chameleon_megatron.resilience.recovery.host_copies import HostMover
     from chameleon_megatron.resilience.recovery.shard_replica import collect
     from chameleon_megatron.resilience.recovery.transfer import migrate
 
-    copy = collect(model, optimizer, rank=0, group=(0,), iteration=iteration)
+    mover = HostMover()
+    copy = collect(model, optimizer, mover, rank=0, group=(0,), iteration=iteration)
+    copy.data.wait()
     if nudge:  # the defect
-        copy.flat[0] = torch.nextafter(copy.flat[0], torch.tensor(float("inf")))
+        main = copy.tensor(0, "main")
+        main[0] = torch.nextafter(main[0], torch.tensor(float("inf")))
     _overwrite(model, optimizer)
     sink = sink_view(model, optimizer)
     transfers = [Transfer(0, 0, unit, kind, 0.0) for unit in unit_parameters(model)
@@ -196,8 +200,8 @@ def restore_from_shard_copy(model: list, optimizer: Any, iteration: int,
                      transfers, old=AssembledUnits([copy], keep=copy.units), new=sink,
                      store=dist.HashStore(), timeout_s=60)
     sink.commit()
-    return {"copy_bytes": copy.flat.numel() * copy.flat.element_size(),
-            "copy_device": str(copy.flat.device), "copied_bytes": report.copied_bytes,
+    return {"copy_bytes": copy.nbytes, "copy_pinned": copy.data.buffers.pinned,
+            "copy_asynchronous": copy.data.asynchronous, "copied_bytes": report.copied_bytes,
             "optimizer_keys": list(copy.keys), "sink": type(sink).__name__}
 
 

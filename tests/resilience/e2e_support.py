@@ -188,3 +188,17 @@ def assert_losses_match(recs: list[dict], ref: dict[int, float], rtol: float = 1
             assert abs(r["loss"] - want) <= rtol * abs(want), (r["iteration"], r["loss"], want)
             seen.append(r["iteration"])
     return seen
+
+
+def assert_resumed_from_copies(done: dict, *, newest: int, interval: int, failed: int,
+                               fail_at: int) -> int:
+    """The recovery record ``done`` resumed from committed shard copies: the newest step's
+    (``newest``), or the one before it when that copy was still being exchanged off the
+    step (one copy is in flight at most, so the copy before it is committed). Returns the
+    step resumed from."""
+    resumed = done["state_from"].get("iteration")
+    assert resumed in (newest, newest - interval), done
+    assert done["redo_iteration"] == resumed + 1 and done["state_from"] == {
+        "source": "shard copies", "iteration": resumed,
+        "rolled_back_steps": fail_at - 1 - resumed, "replicas_of": [failed]}, done
+    return resumed

@@ -210,8 +210,8 @@ class AssembledUnits:
             shape = self._shapes[(unit, name)]
             if kind == "params":
                 out[name] = entry["main"].view(shape).to(self._dtype)
-                if self._dtype != torch.float32:
-                    out[f"{name}/main"] = entry["main"].view(shape)
+                if self._dtype != torch.float32:  # (in the dtype a sink stages it in)
+                    out[f"{name}/main"] = entry["main"].view(shape).to(torch.float32)
             else:
                 out.update({f"{name}/{key}": entry[key] if entry[key].dim() == 0 else
                             entry[key].view(shape) for key in self._keys})

@@ -20,7 +20,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, ITERS, assert_same_state, faults, launch, run_reference, summed, write_profile,
+    FT, ITERS, assert_resumed_from_copies, assert_same_state, faults, launch, run_reference,
+    summed, write_profile,
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
@@ -78,11 +79,9 @@ def recover(tmp_path: Path, interval: int, flags: tuple[str, ...], rtol: float,
             want = ref_losses[r["iteration"]]
             assert abs(r["loss"] - want) <= rtol * abs(want), (r["iteration"], r["loss"], want)
     (done,) = [r for r in recs if r["event"] == "recovery"]
-    resumed = FAIL - 1 - (FAIL - 1) % interval
     assert (done["failed_ranks"], done["fallback"]) == ([0], None), log[-4000:]
-    assert done["redo_iteration"] == resumed + 1 and done["state_from"] == {
-        "source": "shard copies", "iteration": resumed,
-        "rolled_back_steps": FAIL - 1 - resumed, "replicas_of": [0]}, done
+    resumed = assert_resumed_from_copies(done, newest=FAIL - 1 - (FAIL - 1) % interval,
+                                         interval=interval, failed=0, fail_at=FAIL)
     assert done["layout_after"]["mode"] == mode, done["layout_after"]
     assert seen == [*range(1, FAIL), *range(resumed + 1, ITERS + 1)], seen
     assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=state_rtol)
@@ -163,11 +162,9 @@ def test_a_rerouted_job_recovers_again_from_the_plans_shard_copies(tmp_path: Pat
     first, second = [r for r in recs if r["event"] == "recovery"]
     assert first["layout_after"]["mode"] == "reroute", first["layout_after"]
     assert (second["failed_ranks"], second["fallback"]) == ([3], None), log[-4000:]
-    assert second["redo_iteration"] == 5 and second["state_from"] == {
-        "source": "shard copies", "iteration": 4, "rolled_back_steps": 1,
-        "replicas_of": [3]}, second
+    resumed = assert_resumed_from_copies(second, newest=4, interval=2, failed=3, fail_at=6)
     seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
-    assert seen == [1, 2, 3, 4, 5, 5, 6, 7, 8], seen
+    assert seen == [1, 2, 3, 4, 5, *range(resumed + 1, 9)], seen
     assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=1e-4)
 
 
