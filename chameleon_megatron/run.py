@@ -7,7 +7,8 @@ fault tolerance (``--chameleon-ft``, or ``ft.enabled`` in a ``--chameleon-config
 node runs ``ChameleonAgent`` instead of torchrun's; otherwise this is plain torchrun. With
 ``--chameleon-ft-join`` too, this node joins a running job (``join_node.py``). When the job
 store is lost with node 0, the surviving nodes relaunch the job among themselves from its
-last checkpoint (``store_loss.py``).
+last checkpoint (``store_loss.py``) when they hold a majority of the launch's nodes; a node on
+the losing side of a partition stops with status 75 (``quorum.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import logging
 import os
 import sys
+import time
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -26,6 +28,7 @@ from chameleon_megatron.errors import USAGE_EXIT, fail, user_errors
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.launch import quorum
 from chameleon_megatron.resilience.launch.agent import ChameleonAgent
 from chameleon_megatron.resilience.launch.join_node import run_joining_node
 from chameleon_megatron.resilience.launch.store_loss import (
@@ -144,8 +147,17 @@ def launch(args: argparse.Namespace, ft: ResilienceConfig) -> int:
             with torch_seams.torchrun_agent(functools.partial(ChameleonAgent, ft=ft)):
                 torchrun.run(args)
             return 0
+        except quorum.CutOff as cut:
+            fail(PROG, str(cut))
+            return quorum.CUT_OFF_EXIT
         except StoreLost as lost:
+            verdict = quorum.storeless_side(lost.launch_agents, len(lost.survivors))
+            if not verdict.go_on:
+                fail(PROG, str(quorum.CutOff(f"job store lost ({lost.cause})", verdict)))
+                return quorum.CUT_OFF_EXIT
             args = relaunch_args(args, lost)  # ValueError: cannot resume, said why
+            # the store's side stops its workers within this window (quorum.py)
+            time.sleep(quorum.relaunch_wait_s(ft.node_timeout_s))
             relaunches += 1
             os.environ[RELAUNCH_ENV] = str(relaunches)
             logger.error({"event": "relaunch", "why": str(lost), "count": relaunches,

@@ -9,8 +9,12 @@ with all its ranks by the others. The agent reports its workers healthy while an
 waits until every agent (including those of nodes that joined later, ``join_node.py``) is
 finished or lost, so the store stays up as long as anyone trains. It never restarts the
 worker group: a node waiting at the rendezvous is told to join with ``--chameleon-ft-join``.
-When the store itself is lost (node 0 gone), it raises ``StoreLost`` with the surviving
-agents it knows of, and the launcher resumes the job from its checkpoint (``store_loss.py``).
+When the store itself is lost (node 0 gone, or its link: a store call unanswered for
+``ft.node_timeout_s``), it kills its workers and raises ``StoreLost`` with the surviving
+agents it knows of; the launcher resumes the job from its checkpoint (``store_loss.py``)
+when they are a majority, else the node is cut off and stops (``quorum.py``). Node 0's
+agent, which hosts the store, stops its node the same way once it has lost more than half
+of the launch's agents.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.launch import quorum
+from chameleon_megatron.resilience.launch.deadline import Unanswered, within
 from chameleon_megatron.resilience.launch.nodes import NodeWatch, publish_launch
 from chameleon_megatron.resilience.launch.store_loss import StoreLost
 from chameleon_megatron.resilience.launch.worker_pool import Member, WorkerPool, WorkerSlot
@@ -74,12 +80,18 @@ class ChameleonAgent(LocalElasticAgent):
         pool, nodes = self._pool, self._nodes
         assert pool is not None and nodes is not None, "workers not started"
         try:
-            pool.watch(time.time())
-        except dist.DistNetworkError as exc:
+            within(self._ft.node_timeout_s, lambda: pool.watch(time.time()))
+        except (dist.DistNetworkError, Unanswered) as exc:
             if pool.all_exited():  # the host left after the job finished
                 return self._result(pool)
-            # the store's host is gone: torch's run() stops the workers on the way
-            raise StoreLost(nodes.launch_survivors(), worker_group.group_rank, str(exc)) from exc
+            pool.kill_all()  # before anything else: they must not write past this point
+            raise StoreLost(nodes.launch_survivors(), worker_group.group_rank, str(exc),
+                            launch_agents=nodes.launch_agents) from exc
+        if worker_group.group_rank == 0:  # the store's host
+            verdict = quorum.store_side(nodes.launch_agents, nodes.lost_launch_agents())
+            if not verdict.go_on:
+                pool.kill_all()
+                raise quorum.CutOff("the other launch agents are silent", verdict)
         if not pool.all_exited() or not nodes.job_finished():
             return RunResult(state=WorkerState.HEALTHY)
         return self._result(pool)

@@ -124,6 +124,14 @@ class NodeWatch:
         return [FailureRecord(rank=r, time=now, reason="node", node=beat["node"], last_seen=since)
                 for r in beat["ranks"]]
 
+    @property
+    def launch_agents(self) -> int:
+        return self._launch_nodes
+
+    def lost_launch_agents(self) -> int:
+        """How many of the launch's agents this one has declared lost."""
+        return sum(1 for g in self._lost if g < self._launch_nodes)
+
     def job_finished(self) -> bool:
         """Every other agent has finished or is lost (this one's own state is the caller's)."""
         if self._store_gone:

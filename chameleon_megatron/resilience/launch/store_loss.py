@@ -21,8 +21,12 @@ import torch.distributed.run as torchrun
 class StoreLost(Exception):
     """Raised by an agent whose job store is gone while its workers trained."""
 
-    def __init__(self, survivors: list[tuple[int, str]], me: int, cause: str) -> None:
+    def __init__(self, survivors: list[tuple[int, str]], me: int, cause: str, *,
+                 launch_agents: int) -> None:
         super().__init__(f"job store lost ({cause}); surviving agents {survivors}")
+        self.cause = cause
+        self.launch_agents = launch_agents
+        """How many agents the launch had (``quorum``'s majority is of these)."""
         self.survivors = tuple(survivors)
         """(old group rank, address) of the launch's agents still training, this one
         included."""

@@ -142,6 +142,17 @@ class WorkerPool:
                 member.proc.wait()
             member.finish(member.proc.returncode)
 
+    def kill_all(self) -> None:
+        """SIGKILL every running worker's session (this node stops at once)."""
+        for member in self._running():
+            _signal(member.proc, signal.SIGKILL)
+        for member in self._running():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                member.proc.wait(timeout=10)
+            member.finish(member.proc.returncode if member.proc.returncode is not None
+                          else -signal.SIGKILL)
+        self._restarts.clear()
+
     def _running(self) -> list[Member]:
         return [m for m in self.members.values() if m.exitcode is None]
 

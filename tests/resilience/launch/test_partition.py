@@ -1,0 +1,151 @@
+"""A network partition between hosts: one side goes on, the other stops, never both.
+
+Hosts are network namespaces on one bridge (``netns_support``), each running chameleon-run
+with one gloo worker (static rendezvous, the store on host 0). A link is cut by taking it
+down: packets vanish, no reset reaches either side, as when a cable fails.
+
+- 2 hosts, host 1 cut off after step 4: host 0 (the store's side) recovers in memory and
+  trains to the end, every loss as in the failure-free run; host 1 notices within the node
+  window that the store does not answer, stops its worker and exits with status 75, one
+  error line saying why. When the link comes back, nothing of host 1 is left to rejoin.
+- 3 hosts, host 0 (the store's host) cut off after the checkpoint of step 4: hosts 1 and 2
+  hold a majority, wait one node window and resume the job from its checkpoint among
+  themselves; host 0 lost a majority of the agents and stops with status 75.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from e2e_support import (  # noqa: E402
+    FT, assert_losses_match, assert_same_state, combine, job_args, records, run_reference,
+)
+from netns_support import Host, hosts  # noqa: E402
+from rt_support import REPO, stop, worker_env  # noqa: E402
+
+from chameleon_megatron.resilience.launch.quorum import CUT_OFF_EXIT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.serial, pytest.mark.timeout(420)]
+
+ITERS = 16
+WINDOW_S = 10.0
+"""--chameleon-ft-node-timeout-s: how long an agent may go unheard."""
+BATCH = ["--global-batch-size", "12"]
+"""Divisible by 2 x 3 and 2 x 2 data-parallel ranks of micro-batch 2."""
+
+
+def _start(host: Host, tmp: Path, node_rank: int, nnodes: int, master: Host, port: int,
+           flags: list[str]) -> subprocess.Popen:
+    log = open(tmp / f"log{node_rank}", "w")  # noqa: SIM115 (the process owns it)
+    argv = [sys.executable, "-m", "chameleon_megatron.run", f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}", f"--master-addr={master.addr}",
+            f"--master-port={port}", "--rdzv-id=partition",
+            *job_args(tmp, 1, [*BATCH, *FT, "--chameleon-ft-node-timeout-s", str(WINDOW_S),
+                               "--chameleon-ft-startup-timeout-s", "120", "--pace-s", "0.3",
+                               *flags], ITERS)]
+    return subprocess.Popen(host.command(argv), cwd=REPO, env=host.env(worker_env()),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(done, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the job did not get there in time"
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        time.sleep(0.05)
+
+
+def _iterations(tmp: Path) -> list[int]:
+    metrics = tmp / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    return [r["iteration"] for r in records(metrics) if r["event"] == "iteration"]
+
+
+def _cut_off_exit(proc: subprocess.Popen, cut_at: float, log: Path) -> float:
+    """The host's launcher exits with the cut-off status; seconds from the cut."""
+    code = proc.wait(timeout=WINDOW_S + 60)
+    took = time.monotonic() - cut_at
+    text = log.read_text()
+    assert code == CUT_OFF_EXIT, text[-4000:]
+    (line,) = [ln for ln in text.splitlines() if "error: cut off from the job" in ln]
+    assert text.rstrip().endswith(line), text[-2000:]  # nothing after the decision
+    return took
+
+
+@pytest.fixture
+def reference(tmp_path: Path) -> tuple[dict[int, float], dict]:
+    """The failure-free run's losses and final state."""
+    (tmp_path / "reference").mkdir()
+    return run_reference(tmp_path / "reference", ITERS, flags=tuple(BATCH))
+
+
+def test_a_host_cut_off_stops_and_the_store_side_trains_on(tmp_path: Path,
+                                                          reference: tuple) -> None:
+    with hosts(2) as (h0, h1):
+        procs = [_start(h, tmp_path, i, 2, h0, 29400, []) for i, h in enumerate((h0, h1))]
+        try:
+            _wait_for(lambda: len(_iterations(tmp_path)) >= 4, 200, procs)
+            h1.cut()
+            cut_at = time.monotonic()
+            took = _cut_off_exit(procs[1], cut_at, tmp_path / "log1")
+            # the node window, plus one round of the monitor and the stop
+            assert took <= WINDOW_S + 10, took
+            h1.restore()  # the link is back: host 1 has nothing left to rejoin with
+            assert procs[0].wait(timeout=240) == 0, (tmp_path / "log0").read_text()[-6000:]
+        finally:
+            for p in procs:
+                stop(p)
+    recs = records(tmp_path / "metrics.jsonl")
+    (done,) = [r for r in recs if r["event"] == "recovery"]
+    assert done["failed_ranks"] == [1] and done["fallback"] is None, done
+    seen = assert_losses_match(recs, reference[0])
+    assert seen[-1] == ITERS and not [r for r in recs if r["event"] == "join"], seen
+    assert not (tmp_path / "dump" / "1.json").exists()  # host 1's worker never finished
+
+
+def test_the_store_host_cut_off_stops_and_the_majority_resumes(tmp_path: Path,
+                                                               reference: tuple) -> None:
+    ckpt = tmp_path / "ckpt"
+    flags = ["--save", str(ckpt), "--save-interval", "2"]
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    with hosts(3) as (h0, h1, h2):
+        procs = [_start(h, tmp_path, i, 3, h0, 29401, flags) for i, h in enumerate((h0, h1, h2))]
+        try:
+            _wait_for(lambda: tracker.exists() and int(tracker.read_text() or 0) >= 4, 200,
+                      procs)
+            h0.cut()
+            cut_at = time.monotonic()
+            time.sleep(1.0)  # a record of a step that had finished before the cut
+            before = len(records(tmp_path / "metrics.jsonl"))
+            took = _cut_off_exit(procs[0], cut_at, tmp_path / "log0")
+            assert took <= WINDOW_S + 10, took
+            for i in (1, 2):
+                assert procs[i].wait(timeout=300) == 0, \
+                    (tmp_path / f"log{i}").read_text()[-6000:]
+        finally:
+            for p in procs:
+                stop(p)
+    recs = records(tmp_path / "metrics.jsonl")
+    # host 0 (rank 0, the metrics writer until the cut) wrote nothing after it: the next
+    # record is the resumed job's
+    assert recs[before]["event"] == "run" and recs[before]["world_size"] == 2, recs[before:]
+    (resume,) = [r for r in recs if r["event"] == "recovery"]
+    assert (resume["cause"], resume["fallback"], resume["world_size"]) == (
+        "store_lost", "checkpoint", 2), resume
+    seen = assert_losses_match(recs, reference[0])
+    start = resume["resumed_iteration"]
+    assert start >= 4 and seen[-(ITERS - start):] == list(range(start + 1, ITERS + 1)), seen
+    assert '"event": "relaunch"' in (tmp_path / "log1").read_text()
+    # the final weights and Adam moments of the resumed job are the failure-free run's
+    dumps = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "dump").glob("*.json")}
+    assert sorted(dumps) == [0, 1]
+    assert_same_state(combine([reference[1]]), combine([dumps[0], dumps[1]]), iters=ITERS)
