@@ -15,7 +15,8 @@
 # The launcher is chameleon-run: torchrun, with an agent that keeps survivors running when
 # the run enables --chameleon-ft (flag or preset), plain torchrun otherwise. With a static
 # rendezvous the surviving nodes can also resume the job from its checkpoint by themselves
-# when node 0 (and with it the store) is lost (docs/resilience.md).
+# when node 0 (and with it the store) is lost, if they are a majority of the launch's nodes;
+# a node cut off from the job stops with status 75 (docs/resilience.md, Network partitions).
 # PYTHON picks the interpreter (default: the repository's .venv, else python3).
 # CHAMELEON_ENTRY runs another script with the same flags, e.g. a patched Megatron-LM
 # pretrain_gpt.py (docs/megatron-lm.md); default: the chameleon_megatron.pretrain_gpt module.

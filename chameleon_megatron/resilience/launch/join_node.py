@@ -27,6 +27,8 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.launch.quorum import CUT_OFF_EXIT
+from chameleon_megatron.resilience.launch.deadline import Unanswered, within
 from chameleon_megatron.resilience.launch.nodes import NodeWatch, read_launch, register_joined_node
 from chameleon_megatron.resilience.launch.worker_pool import WorkerPool, WorkerSlot
 from chameleon_megatron.resilience.store.env import AGENT_ENV
@@ -71,7 +73,7 @@ def run_joining_node(args: argparse.Namespace, ft: ResilienceConfig) -> int:
             for local_rank in range(config.nproc_per_node):
                 pool.spawn(WorkerSlot(local_rank, (cmd, *cmd_args),
                                       {**base_env, "LOCAL_RANK": str(local_rank)}), now)
-            return _watch(pool, nodes, config.monitor_interval)
+            return _watch(pool, nodes, config.monitor_interval, ft.node_timeout_s)
         finally:
             pool.stop_joiners(signal.SIGTERM, timeout_s=30)
 
@@ -86,19 +88,20 @@ def _exit_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _watch(pool: WorkerPool, nodes: NodeWatch, interval_s: float) -> int:
+def _watch(pool: WorkerPool, nodes: NodeWatch, interval_s: float, window_s: float) -> int:
     """Monitor until this node's workers have exited and every other agent is done."""
     while True:
         try:
-            pool.watch(time.time())
-        except dist.DistNetworkError as exc:
+            within(window_s, lambda: pool.watch(time.time()))
+        except (dist.DistNetworkError, Unanswered) as exc:
             if pool.all_exited():  # the host left after the job finished
                 return 0 if pool.any_succeeded() else 1
-            # node 0 is gone; the launch's survivors resume from the checkpoint without
-            # this node (it was not in their rendezvous): it can join the resumed job
-            logger.error("the job store is lost (%s): stopping this node's workers; join the "
-                         "resumed job again with --chameleon-ft-join", exc)
-            return 1
+            # node 0 is gone or out of reach; the launch's survivors resume without this
+            # node (it was not in their rendezvous): it can join the resumed job
+            pool.kill_all()
+            logger.error("cut off from the job: job store lost (%s): this node's workers are "
+                         "stopped; join the resumed job again with --chameleon-ft-join", exc)
+            return CUT_OFF_EXIT
         if pool.all_exited() and nodes.job_finished():
             return 0 if pool.any_succeeded() else 1
         time.sleep(interval_s)
