@@ -28,7 +28,7 @@ from chameleon_megatron.errors import USAGE_EXIT, fail, user_errors
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.megatron import torch_seams
 from chameleon_megatron.resilience.config import ResilienceConfig
-from chameleon_megatron.resilience.launch import quorum
+from chameleon_megatron.resilience.launch import deadline, quorum
 from chameleon_megatron.resilience.launch.agent import ChameleonAgent
 from chameleon_megatron.resilience.launch.join_node import run_joining_node
 from chameleon_megatron.resilience.launch.store_loss import (
@@ -124,11 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(torch_seams.LAUNCH_API_LOGGER).addFilter(
         lambda record: "failed (exitcode" not in record.getMessage())
     try:
-        return launch(args, ft)
+        return leave(launch(args, ft))
     except ChildFailedError as exc:
         message, code = worker_failure(exc)
         fail(PROG, message)
-        return code if code > 0 else USAGE_EXIT
+        return leave(code if code > 0 else USAGE_EXIT)
+
+
+def leave(code: int) -> int:
+    """``code``, or this process ends with it at once when a store call it gave up on is
+    still blocked (``deadline.abandoned``)."""
+    if deadline.abandoned():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def launch(args: argparse.Namespace, ft: ResilienceConfig) -> int:

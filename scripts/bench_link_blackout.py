@@ -49,7 +49,7 @@ def one(blackout_s: float, window_s: float, port: int) -> dict:
         seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
         failed = sorted({rank for r in recoveries for rank in r.get("failed_ranks") or []})
         outcome = ("host 1 lost" if failed else
-                   "step redone" if recoveries or len(seen) != len(set(seen)) else "nothing")
+                   "step abandoned, redone" if recoveries or len(seen) != len(set(seen)) else "nothing")
         return {"blackout_s": blackout_s, "outcome": outcome, "exit_codes": codes,
                 "recoveries": len(recoveries), "steps_redone": len(seen) - len(set(seen))}
 

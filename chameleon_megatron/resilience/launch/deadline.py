@@ -14,6 +14,15 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
+THREAD_NAME = "store-call"
+
+
+def abandoned() -> bool:
+    """Whether a call given up on is still blocked: then the process must leave with
+    ``os._exit``, since finalizing the interpreter ends such a daemon thread inside C++ code,
+    which aborts (SIGABRT) instead of exiting with the intended status."""
+    return any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
 
 class Unanswered(Exception):
     """The call did not return within its deadline."""
@@ -30,7 +39,7 @@ def within(timeout_s: float, fn: Callable[[], T]) -> T:
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="store-call", daemon=True)
+    thread = threading.Thread(target=run, name=THREAD_NAME, daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():

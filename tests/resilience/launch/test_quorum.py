@@ -70,3 +70,17 @@ def test_a_call_that_blocks_is_given_up_at_its_deadline() -> None:
     assert within(5, lambda: 7) == 7
     with pytest.raises(KeyError):
         within(5, lambda: {}["x"])
+
+
+def test_a_call_given_up_on_is_known_until_it_returns() -> None:
+    from chameleon_megatron.resilience.launch.deadline import abandoned
+
+    release = threading.Event()
+    with pytest.raises(Unanswered):
+        within(0.2, release.wait)
+    assert abandoned()
+    release.set()
+    deadline = time.monotonic() + 5
+    while abandoned() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not abandoned()
