@@ -600,7 +600,7 @@ class RecoveryController:
 
     def _decide(self, trainer: TrainerHandle, membership: Membership,
                 agreed: Agreed) -> dict[str, Any]:
-        args = trainer.args
+        start = time.perf_counter()
         try:
             basis = self._basis(trainer)
             new_failures = membership.failed - self.known_failed
@@ -623,7 +623,8 @@ class RecoveryController:
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}
         out = decision.to_dict()
-        out["record"] = {**out["record"], "decision_from": source}
+        out["record"] = {**out["record"], "decision_from": source,
+                         "decision_s": time.perf_counter() - start}
         return out
 
     def _basis(self, trainer: TrainerHandle) -> DecisionBasis:
@@ -666,7 +667,7 @@ class RecoveryController:
         """The profile and candidates precomputed for this failure, if any (both None: the
         decision is computed fresh)."""
         ready = self.precompute.ready()
-        if ready is None or not ready[0].serves(basis):
+        if ready is None or not ready[0].serves(basis, same_members=False):
             return None, None
         cache = ready[1]
         cands = cache.lookup(plan=self.plan, alive=membership.members, stale=agreed.stale,

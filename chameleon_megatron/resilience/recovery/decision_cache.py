@@ -43,12 +43,16 @@ class DecisionBasis:
     history: tuple[Observation, ...]
     """The last three are None/() with a user profile (which does not use them)."""
 
-    def serves(self, now: DecisionBasis) -> bool:
-        """Whether a decision computed on this basis stands for one computed on ``now``."""
+    def serves(self, now: DecisionBasis, *, same_members: bool = True) -> bool:
+        """Whether a decision computed on this basis stands for one computed on ``now``;
+        ``same_members=False``: whoever the members are (at a failure they are the
+        survivors already; the cache's lookup checks them exactly)."""
         a, b = self.step_time_s, now.step_time_s
         close = a == b or (a is not None and b is not None
                            and abs(a - b) <= STEP_TIME_TOLERANCE * b)
-        return close and dataclasses.replace(now, step_time_s=a) == self
+        mine = self if same_members else dataclasses.replace(
+            self, members=now.members, stale=now.stale)
+        return close and dataclasses.replace(now, step_time_s=a) == mine
 
 
 def decision_profile(basis: DecisionBasis, args: Any, *, path: str | None,
