@@ -67,7 +67,7 @@ def main() -> None:
             c, trainer = controller(layout)
             fresh += decide_all(c, trainer, layout.world_size)
             start = time.perf_counter()
-            c._precompute_decisions(trainer)
+            c.precompute_decisions(trainer)
             while c.precompute.ready() is None:
                 time.sleep(0.001)
             builds.append(time.perf_counter() - start)

@@ -42,7 +42,8 @@ class CacheInputs:
 
 @dataclass(frozen=True)
 class FailureCache:
-    inputs: CacheInputs
+    inputs: CacheInputs | None
+    """None: nothing was precomputed (no failure to decide)."""
     entries: Mapping[frozenset[int], DecisionCandidates] = field(hash=False)
     """Survivors -> their candidates."""
     build_s: float = 0.0
@@ -53,7 +54,7 @@ class FailureCache:
         """The candidates precomputed for exactly these inputs, or None (profile: the
         caller's, checked before: it is ``inputs.profile`` when served)."""
         ins = self.inputs
-        if (plan, plans, time_limit_s, tuple(sorted(stale))) != \
+        if ins is None or (plan, plans, time_limit_s, tuple(sorted(stale))) != \
                 (ins.plan, ins.plans, ins.time_limit_s, ins.stale):
             return None
         return self.entries.get(frozenset(alive))

@@ -359,7 +359,7 @@ class RecoveryController:
         if flags[0] and not lead:
             invited = self.joiners.offered(self.generation)
         if not invited and not replan:
-            self._precompute_decisions(trainer)
+            self.precompute_decisions(trainer)
             return None
         self._cancel_precompute()
         cause = "join" if invited else "replan"
@@ -643,9 +643,10 @@ class RecoveryController:
                                 device=trainer.device,
                                 swap_bandwidth_Bps=self.swap_bandwidth_Bps)
 
-    def _precompute_decisions(self, trainer: TrainerHandle) -> None:
-        """Between steps: have the background thread rebuild the decisions this rank would
-        make for likely failures when what they are computed from has changed."""
+    def precompute_decisions(self, trainer: TrainerHandle) -> None:
+        """At the start and between steps: have the background thread rebuild the decisions
+        this rank would make for likely failures when what they are computed from has
+        changed (a comparison; the work is the thread's)."""
         basis = self._basis(trainer)
         ready = self.precompute.ready()
         if any(b is not None and b.serves(basis)

@@ -70,6 +70,8 @@ def cache_builder(basis: DecisionBasis, me: int, profile: Callable[[], Profile],
     decide (each single member, each node)."""
     def build(cancelled: Callable[[], bool]) -> FailureCache | None:
         failures = likely_failures(basis.members, basis.stale, nodes(), me)
+        if not failures:  # this rank decides none: no profile to derive either
+            return FailureCache(inputs=None, entries={})
         inputs = CacheInputs(plan=basis.plan, members=basis.members, stale=basis.stale,
                              profile=profile(), plans=basis.plans)
         return build_cache(inputs, failures, cancelled)

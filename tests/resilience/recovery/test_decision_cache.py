@@ -74,7 +74,7 @@ def without_source(d: dict) -> dict:
 
 def test_every_single_failure_the_leader_decides_comes_from_the_cache_and_equals_fresh() -> None:
     c, plain = controller(), controller()
-    c._precompute_decisions(TRAINER)
+    c.precompute_decisions(TRAINER)
     cache = ready(c)
     assert len(cache.entries) == 7  # every member but the leader itself (no agents: no nodes)
     for dead in range(1, 8):
@@ -91,7 +91,7 @@ def test_node_failures_are_precomputed_from_the_agents_beats() -> None:
     c.job.store.set("launch", '{"world_size": 8, "nodes": 2}')
     for g, ranks in enumerate([[0, 1, 2, 3], [4, 5, 6, 7]]):
         c.job.store.set(f"agent/{g}", f'{{"seq": 1, "ranks": {ranks}, "finished": false}}')
-    c._precompute_decisions(TRAINER)
+    c.precompute_decisions(TRAINER)
     assert frozenset(range(4)) in ready(c).entries  # node 1 lost: ranks 0-3 survive
     served, fresh = decision(c, {4, 5, 6, 7}), decision(plain, {4, 5, 6, 7})
     assert served["record"]["decision_from"] == "cache"
@@ -100,9 +100,19 @@ def test_node_failures_are_precomputed_from_the_agents_beats() -> None:
     c.close(finished=False)
 
 
+def test_a_rank_that_decides_no_likely_failure_derives_no_profile() -> None:
+    c = controller()
+    c.me = 2  # ranks 0 and 1 decide every single failure
+    c.precompute_decisions(TRAINER)
+    cache = ready(c)
+    assert cache.inputs is None and cache.entries == {}
+    assert decision(c, {0})["record"]["decision_from"] == "fresh"
+    c.close(finished=False)
+
+
 def test_a_stale_cache_is_not_served_and_is_rebuilt_when_the_profile_changes() -> None:
     c = controller(step_s=0.5)
-    c._precompute_decisions(TRAINER)
+    c.precompute_decisions(TRAINER)
     first = ready(c)
     steps(c, 0.51, 1)  # median 0.505: within 5%, the cache stands
     assert decision(c, {5})["record"]["decision_from"] == "cache"
@@ -111,14 +121,14 @@ def test_a_stale_cache_is_not_served_and_is_rebuilt_when_the_profile_changes() -
     served = decision(c, {5})
     assert served["record"]["decision_from"] == "fresh"
     assert without_source(served) == without_source(decision(controller(step_s=0.9), {5}))
-    c._precompute_decisions(TRAINER)  # between steps: rebuilt on the new profile
+    c.precompute_decisions(TRAINER)  # between steps: rebuilt on the new profile
     second = ready(c)
     assert second is not first and second.inputs.profile != first.inputs.profile
     assert decision(c, {5})["record"]["decision_from"] == "cache"
     c.plan = uniform_plan(UniformLayout(tp=1, pp=1, dp=8), list(range(8)), 4, 8)  # new layout
     c.active = tuple(range(8))
     assert decision(c, {5})["record"]["decision_from"] == "fresh"
-    c._precompute_decisions(TRAINER)
+    c.precompute_decisions(TRAINER)
     assert ready(c).inputs.plan == c.plan
     assert decision(c, {5})["record"]["decision_from"] == "cache"
     c.close(finished=False)
