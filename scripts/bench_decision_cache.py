@@ -57,6 +57,36 @@ def decide_all(c: RecoveryController, trainer, world: int) -> list[tuple[float, 
     return out
 
 
+def boundary_check_s(c: RecoveryController, trainer, n: int = 200) -> float:
+    """The training thread's cost per step once the cache is ready: the basis compared."""
+    start = time.perf_counter()
+    for _ in range(n):
+        c.precompute_decisions(trainer)
+    return (time.perf_counter() - start) / n
+
+
+def torch_work(n: int = 40) -> float:
+    """A stand-in for a step's work: small matmuls driven from Python."""
+    a = torch.randn(192, 192)
+    start = time.perf_counter()
+    for _ in range(n):
+        a = torch.tanh(a @ a)
+    return time.perf_counter() - start
+
+
+def work_beside_a_build(layout: UniformLayout) -> tuple[float, float]:
+    """(median of the stand-in alone, median of it while a cache builds) in seconds."""
+    alone = statistics.median(torch_work() for _ in range(20))
+    beside = []
+    for _ in range(5):
+        c, trainer = controller(layout)
+        c.precompute_decisions(trainer)
+        while c.precompute.ready() is None:
+            beside.append(torch_work())
+        c.close(finished=False)
+    return alone, statistics.median(beside or [alone])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
@@ -81,6 +111,15 @@ def main() -> None:
               f"(max {max(t for t, _ in fresh) * 1e3:.1f}), cached median {k * 1e3:.1f} ms "
               f"(max {max(t for t, _ in cached) * 1e3:.1f}), ratio {f / k:.1f}x; "
               f"cache build (background) median {statistics.median(builds) * 1e3:.0f} ms")
+    c, trainer = controller(UniformLayout(tp=1, pp=2, dp=4))
+    c.precompute_decisions(trainer)
+    while c.precompute.ready() is None:
+        time.sleep(0.001)
+    print(f"step-boundary check with the cache ready: {boundary_check_s(c, trainer) * 1e6:.0f} us")
+    c.close(finished=False)
+    alone, beside = work_beside_a_build(UniformLayout(tp=1, pp=2, dp=4))
+    print(f"torch work on the training thread: alone {alone * 1e3:.1f} ms, while a cache builds "
+          f"{beside * 1e3:.1f} ms ({beside / alone:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -85,3 +85,5 @@ class Precomputer(Generic[K, V]):
             with self._cond:
                 if value is not None and not gone():
                     self._ready = (key, value)
+            logger.debug("%s: %r %s", self._name, key,
+                         "abandoned" if value is None or gone() else "ready")

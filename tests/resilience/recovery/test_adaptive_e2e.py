@@ -91,8 +91,6 @@ def test_forced_rerouting_keeps_the_layout(reference, tmp_path: Path) -> None:
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     (rec,) = recoveries(recs)
     assert rec["decision"]["choice"] == "reroute" and rec["decision"]["strategy"] == "reroute"
-    # rank 0 had precomputed every single failure between steps: a lookup, no search
-    assert rec["decision"]["decision_from"] == "cache", rec["decision"]
     lay = rec["layout_after"]
     assert (lay["mode"], lay["rerouted"], lay["ranks"]) == ("reroute", [5], [0, 1, 2, 3, 4, 6, 7])
     assert rec["migrated_bytes"] == 0 and rec["redo_iteration"] == 3
