@@ -25,6 +25,7 @@ from chameleon_megatron.resilience.decision.layout import UniformLayout
 from chameleon_megatron.resilience.recovery.controller import RecoveryController
 from chameleon_megatron.resilience.recovery.detector import FailureDetector
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
+from chameleon_megatron.resilience.recovery.precompute import Precomputer
 from chameleon_megatron.resilience.recovery.regroup import Membership
 from chameleon_megatron.resilience.recovery.run_state import Agreed
 from chameleon_megatron.resilience.store.job_store import JobStore
@@ -74,17 +75,20 @@ def torch_work(n: int = 40) -> float:
     return time.perf_counter() - start
 
 
-def work_beside_a_build(layout: UniformLayout) -> tuple[float, float]:
-    """(median of the stand-in alone, median of it while a cache builds) in seconds."""
-    alone = statistics.median(torch_work() for _ in range(20))
-    beside = []
-    for _ in range(5):
-        c, trainer = controller(layout)
-        c.precompute_decisions(trainer)
-        while c.precompute.ready() is None:
-            beside.append(torch_work())
-        c.close(finished=False)
-    return alone, statistics.median(beside or [alone])
+def work_beside_a_build(layout: UniformLayout, rounds: int = 5) -> dict[str, float]:
+    """Median of the stand-in alone, beside a paced build (the default) and beside an
+    unpaced one, interleaved round by round (the host's load drifts)."""
+    times: dict[str, list[float]] = {"alone": [], "paced": [], "unpaced": []}
+    for _ in range(rounds):
+        times["alone"] += [torch_work() for _ in range(5)]
+        for name, ratio in (("paced", 1.0), ("unpaced", 0.0)):
+            c, trainer = controller(layout)
+            c.precompute = Precomputer("decision-cache", yield_ratio=ratio)
+            c.precompute_decisions(trainer)
+            while c.precompute.ready() is None:
+                times[name].append(torch_work())
+            c.close(finished=False)
+    return {k: statistics.median(v) for k, v in times.items() if v}
 
 
 def main() -> None:
@@ -117,9 +121,9 @@ def main() -> None:
         time.sleep(0.001)
     print(f"step-boundary check with the cache ready: {boundary_check_s(c, trainer) * 1e6:.0f} us")
     c.close(finished=False)
-    alone, beside = work_beside_a_build(UniformLayout(tp=1, pp=2, dp=4))
-    print(f"torch work on the training thread: alone {alone * 1e3:.1f} ms, while a cache builds "
-          f"{beside * 1e3:.1f} ms ({beside / alone:.2f}x)")
+    work = work_beside_a_build(UniformLayout(tp=1, pp=2, dp=4))
+    print("torch work on the training thread (median): " + ", ".join(
+        f"{k} {v * 1e3:.1f} ms ({v / work['alone']:.2f}x)" for k, v in work.items()))
 
 
 if __name__ == "__main__":

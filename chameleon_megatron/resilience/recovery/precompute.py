@@ -1,11 +1,17 @@
 """One background thread that builds a value off the training thread: the latest request
 wins, the result is handed over under a lock, and a build is abandoned (between two of its
-pieces) as soon as it is superseded, cancelled or stopped."""
+pieces) as soon as it is superseded, cancelled or stopped.
+
+A pure-Python build holds the interpreter lock while it computes, which delays the training
+thread's own Python (each operation it launches); so after each piece the thread sleeps
+``yield_ratio`` times as long as the piece took: the build takes at most 1 / (1 +
+``yield_ratio``) of the interpreter's time (a half by default)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -20,8 +26,11 @@ Build = Callable[[Callable[[], bool]], "V | None"]
 class Precomputer(Generic[K, V]):
     """Builds ``(key, value)`` in a daemon thread, started by the first request."""
 
-    def __init__(self, name: str = "precompute") -> None:
+    def __init__(self, name: str = "precompute", *, yield_ratio: float = 1.0) -> None:
+        if yield_ratio < 0:
+            raise ValueError(f"yield_ratio={yield_ratio}: must be >= 0")
         self._name = name
+        self._yield_ratio = yield_ratio
         self._cond = threading.Condition()
         self._wanted: tuple[int, K, Build] | None = None
         self._ready: tuple[K, V] | None = None
@@ -67,6 +76,17 @@ class Precomputer(Generic[K, V]):
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _pacer(self, gone: Callable[[], bool]) -> Callable[[], bool]:
+        """``gone``, polled between pieces, after a pause in proportion to the last piece."""
+        last = [time.perf_counter()]
+
+        def poll() -> bool:
+            if not gone():
+                time.sleep((time.perf_counter() - last[0]) * self._yield_ratio)
+            last[0] = time.perf_counter()
+            return gone()
+        return poll
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -78,7 +98,7 @@ class Precomputer(Generic[K, V]):
                 self._wanted = None
             gone = lambda v=version: self._version != v  # noqa: E731
             try:
-                value = build(gone)
+                value = build(self._pacer(gone))
             except Exception:  # noqa: BLE001 - the caller computes fresh; the thread lives on
                 logger.exception("%s: building %r failed", self._name, key)
                 continue

@@ -189,3 +189,30 @@ def test_the_latest_request_wins_and_a_failed_build_keeps_the_thread() -> None:
     assert not pre.running
     pre.request("e", lambda cancelled: 5)  # after stop: ignored
     assert not pre.running and pre.ready() == ("d", 4)
+
+
+def test_a_build_pauses_after_each_piece_as_long_as_it_took() -> None:
+    """Pure-Python work holds the interpreter: the builder leaves the training thread as
+    much time as each piece took (two pieces of 0.1 s: 0.2 s more)."""
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def build(poll):
+        busy(0.1)
+        poll()
+        busy(0.1)
+        poll()
+        return time.perf_counter() - start
+
+    pre: Precomputer[str, float] = Precomputer(yield_ratio=1.0)
+    start = time.perf_counter()
+    pre.request("k", build)
+    while pre.ready() is None:
+        time.sleep(0.01)
+    took = pre.ready()[1]
+    pre.stop()
+    assert took >= 0.38
+    with pytest.raises(ValueError, match="yield_ratio=-1"):
+        Precomputer(yield_ratio=-1)
