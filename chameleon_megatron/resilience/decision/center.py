@@ -206,25 +206,56 @@ def local_copies(plan: Plan, holdings: Holdings, profile: Profile) -> tuple[Tran
     return tuple(out)
 
 
-def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile: Profile,
-           d_s: float, strategy: Strategy = "adaptive", time_limit_s: float | None = 2.0,
-           plans: str | None = None) -> RecoveryDecision:
-    """Both candidates for the survivors ``alive`` of ``current``, the choice, and how it
-    runs. ``stale`` members are alive but hold no usable state (spares, joiners). ``plans``:
-    None when the plan runtime executes this model, else why not (then only uniform
-    re-plans are made and rerouting is scored but not executed)."""
+@dataclass(frozen=True)
+class DecisionCandidates:
+    """Both candidates for one set of survivors: the expensive part of a decision (plan
+    search, restorer), which ``decide`` turns into a choice at the failure (cheap)."""
+
+    reroute: Candidate
+    replan: Candidate
+
+
+def make_planner(profile: Profile, *, uniform: bool, time_limit_s: float | None) -> Planner:
+    return Planner(profile, SearchOptions(uniform=uniform, time_limit_s=time_limit_s))
+
+
+def decision_candidates(current: Plan, *, alive: Iterable[int], stale: Iterable[int],
+                        profile: Profile, time_limit_s: float | None = 2.0,
+                        plans: str | None = None,
+                        planners: tuple[Planner, Planner] | None = None) -> DecisionCandidates:
+    """The rerouting and re-plan candidates ``decide`` scores for the survivors ``alive``.
+    ``planners``: (the one for ``plans``, the uniform one), shared between calls on the
+    same profile so that their searches share work (default: new ones)."""
     alive_set, stale_set = set(alive), set(stale)
     dead = set(current.ranks()) - alive_set
-    holdings = {r: h for r, h in current.holdings().items()
-                if r in alive_set and r not in stale_set}
-    planner = Planner(profile, SearchOptions(uniform=plans is not None,
-                                             time_limit_s=time_limit_s))
+    holdings = _holdings(current, alive_set, stale_set)
+    planner = planners[0] if planners else make_planner(
+        profile, uniform=plans is not None, time_limit_s=time_limit_s)
     reroute = reroute_candidate(current, dead, planner)
     replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
     if replan.restore is not None and replan.restore.unrecoverable and \
             not _is_megatron(replan.plan):  # a checkpoint loads into megatron layouts only
-        planner = Planner(profile, SearchOptions(uniform=True, time_limit_s=time_limit_s))
-        replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
+        uniform = planners[1] if planners else make_planner(profile, uniform=True,
+                                                             time_limit_s=time_limit_s)
+        replan = replan_candidate(holdings, recovery_units(current, alive_set), uniform)
+    return DecisionCandidates(reroute=reroute, replan=replan)
+
+
+def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile: Profile,
+           d_s: float, strategy: Strategy = "adaptive", time_limit_s: float | None = 2.0,
+           plans: str | None = None,
+           candidates: DecisionCandidates | None = None) -> RecoveryDecision:
+    """Both candidates for the survivors ``alive`` of ``current``, the choice, and how it
+    runs. ``stale`` members are alive but hold no usable state (spares, joiners). ``plans``:
+    None when the plan runtime executes this model, else why not (then only uniform
+    re-plans are made and rerouting is scored but not executed). ``candidates``: computed
+    beforehand by ``decision_candidates`` on these same inputs (a precomputed failure)."""
+    alive_set, stale_set = set(alive), set(stale)
+    holdings = _holdings(current, alive_set, stale_set)
+    cands = candidates or decision_candidates(current, alive=alive_set, stale=stale_set,
+                                              profile=profile, time_limit_s=time_limit_s,
+                                              plans=plans)
+    reroute, replan = cands.reroute, cands.replan
     try:
         selected = select([reroute, replan], d_s=d_s, batch=profile.global_batch_size,
                           strategy=strategy)
@@ -257,6 +288,11 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     return dataclasses.replace(decision, record=record, swap_budgets=budgets)
 
 
+def _holdings(current: Plan, alive: set[int], stale: set[int]) -> Holdings:
+    """What the fresh survivors hold: the sources of a new layout's state."""
+    return {r: h for r, h in current.holdings().items() if r in alive and r not in stale}
+
+
 def swap_budgets(plan: Plan, est: StepEstimate) -> tuple[dict[int, float], list[dict]]:
     """The activation budget of each rank on a stage that must swap to fit (as the share of
     its no-swap peak it may keep), and one record entry per such stage."""
@@ -278,8 +314,7 @@ def keep_layout(current: Plan, reroute: ReroutePlan | None, *, alive: Sequence[i
     search; state crosses the network only to ``stale`` members (they had not applied the
     step the others resume after). Raises NoFreshCopy when one cannot be refreshed."""
     alive_set, stale_set = set(alive), set(stale)
-    holdings = {r: h for r, h in current.holdings().items()
-                if r in alive_set and r not in stale_set}
+    holdings = _holdings(current, alive_set, stale_set)
     decision = _kept(current, reroute, None, holdings, profile, alive_set, stale_set)
     record = {"cause": cause, "executed": "keep", "mode": decision.mode,
               "executed_reason": f"{cause}: every rank redoes the step in the same layout",

@@ -55,6 +55,16 @@ def register_joined_node(job: JobStore, launch: Launch) -> int:
     return launch.nodes + job.store.add(_JOINED, 1) - 1
 
 
+def node_ranks(job: JobStore) -> list[list[int]]:
+    """The launch ranks of each node, from its agent's last beat (none when the job was not
+    started by chameleon-run's agents)."""
+    if not job.store.check([_LAUNCH]):
+        return []
+    count = json.loads(job.store.get(_LAUNCH))["nodes"] + job.counter(_JOINED)
+    keys = [f"agent/{g}" for g in range(count)]
+    return [json.loads(job.store.get(k))["ranks"] for k in keys if job.store.check([k])]
+
+
 class NodeWatch:
     """One agent's view of all agents: the launch's, and those that joined since."""
 

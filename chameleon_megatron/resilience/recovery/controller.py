@@ -39,6 +39,7 @@ from chameleon_megatron.megatron import groups
 from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import (
+    DecisionCandidates,
     RecoveryDecision,
     decide,
     keep_layout,
@@ -48,17 +49,24 @@ from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
 from chameleon_megatron.resilience.decision.placement import NoFreshCopy, plan_refusal
+from chameleon_megatron.resilience.decision.profile import Profile
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
 from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
+from chameleon_megatron.resilience.launch.nodes import node_ranks
 from chameleon_megatron.resilience.model_state import ModelState
 from chameleon_megatron.resilience.recovery import (
     memory_peak,
     overlap,
     run_state,
     shard_assembly,
+)
+from chameleon_megatron.resilience.recovery.decision_cache import (
+    DecisionBasis,
+    cache_builder,
+    decision_profile,
 )
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
@@ -69,7 +77,7 @@ from chameleon_megatron.resilience.recovery.detector import (
     windows,
 )
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
-from chameleon_megatron.resilience.recovery.live_profile import hardware_for, runtime_profile
+from chameleon_megatron.resilience.recovery.precompute import Precomputer
 from chameleon_megatron.resilience.recovery.record import PhaseClock, recovery_record, summary
 from chameleon_megatron.resilience.recovery.regroup import (
     DeclaredFailed,
@@ -208,6 +216,10 @@ class RecoveryController:
         """Where the recovery in progress takes the state from (for its record)."""
         self._steady_peaks: dict[str, int | None] = {}
         """This rank's memory peaks from the end of the last recovery to this one."""
+        self.precompute: Precomputer[DecisionBasis, Any] = Precomputer("decision-cache")
+        """Builds the decisions this rank would make for likely failures (a thread: started
+        by the first request, cancelled when a recovery starts, stopped by ``close``)."""
+        self._requested: DecisionBasis | None = None
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
@@ -297,6 +309,7 @@ class RecoveryController:
         # down (peers blocked on this rank see them close instead of waiting out a gloo
         # timeout; the old model still holds its groups), then the groups destroyed.
         self._keepalive()
+        self._cancel_precompute()  # the recovery needs the processor
         self.teardown.leave()
         self._completed = trainer.iteration
         held = Held.of(trainer, self.rng_for_redo(trainer.iteration), self.shards)
@@ -346,7 +359,9 @@ class RecoveryController:
         if flags[0] and not lead:
             invited = self.joiners.offered(self.generation)
         if not invited and not replan:
+            self.precompute_decisions(trainer)
             return None
+        self._cancel_precompute()
         cause = "join" if invited else "replan"
         logger.info({"event": "transition", "cause": cause, "invited": list(invited),
                      "iteration": trainer.iteration})
@@ -409,6 +424,7 @@ class RecoveryController:
             self.job.mark_done()
         if self.watcher.running:
             self.watcher.stop()
+        self.precompute.stop()
 
     # ----------------------------------------------------------------------- attempts
     def _recover(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
@@ -584,31 +600,80 @@ class RecoveryController:
 
     def _decide(self, trainer: TrainerHandle, membership: Membership,
                 agreed: Agreed) -> dict[str, Any]:
-        args = trainer.args
+        start = time.perf_counter()
         try:
-            profile = runtime_profile(args, path=self.ft.profile,
-                                      hardware=hardware_for(trainer.device), plan=self.plan,
-                                      reroute=self.reroute,
-                                      step_time_s=self.detector.typical_step_time,
-                                      regroup_s=self.last_regroup_s,
-                                      history=self.feedback.observations(),
-                                      swap_bandwidth_Bps=self.swap_bandwidth_Bps)
+            basis = self._basis(trainer)
             new_failures = membership.failed - self.known_failed
-            decision = None
+            decision, source = None, "fresh"
             if self._cause not in ("failure", "join", "replan") and not new_failures:
                 with contextlib.suppress(NoFreshCopy):  # then the center re-plans
                     decision = keep_layout(self.plan, self.reroute, alive=membership.members,
-                                           stale=agreed.stale, profile=profile,
+                                           stale=agreed.stale,
+                                           profile=self._profile(trainer, basis),
                                            cause=self._cause)
             if decision is None:
+                profile, cands = self._cached(basis, membership, agreed)
+                source = "fresh" if cands is None else "cache"
                 decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
-                                  profile=profile, d_s=self._expected_time_to_failure(),
-                                  strategy=self.ft.strategy,
-                                  plans=self.plans_refused or plan_refusal(args, self.plan))
+                                  profile=profile or self._profile(trainer, basis),
+                                  d_s=self._expected_time_to_failure(),
+                                  strategy=self.ft.strategy, plans=basis.plans,
+                                  candidates=cands)
         except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
             logger.error("no recovery plan: %s", exc)
             return {"error": str(exc)}
-        return decision.to_dict()
+        out = decision.to_dict()
+        out["record"] = {**out["record"], "decision_from": source,
+                         "decision_s": time.perf_counter() - start}
+        return out
+
+    def _basis(self, trainer: TrainerHandle) -> DecisionBasis:
+        """What a decision made now is computed from (cheap: no profile is derived)."""
+        user = self.ft.profile is not None  # a user profile is not calibrated
+        return DecisionBasis(
+            plan=self.plan, reroute=self.reroute, members=tuple(sorted(self.members)),
+            stale=tuple(sorted(set(self.members) - set(self.active))),
+            plans=self.plans_refused or plan_refusal(trainer.args, self.plan),
+            step_time_s=None if user else self.detector.typical_step_time,
+            regroup_s=None if user else self.last_regroup_s,
+            history=() if user else tuple(self.feedback.observations()))
+
+    def _profile(self, trainer: TrainerHandle, basis: DecisionBasis) -> Profile:
+        return decision_profile(basis, trainer.args, path=self.ft.profile,
+                                device=trainer.device,
+                                swap_bandwidth_Bps=self.swap_bandwidth_Bps)
+
+    def precompute_decisions(self, trainer: TrainerHandle) -> None:
+        """At the start and between steps: have the background thread rebuild the decisions
+        this rank would make for likely failures when what they are computed from has
+        changed (a comparison; the work is the thread's)."""
+        basis = self._basis(trainer)
+        ready = self.precompute.ready()
+        if any(b is not None and b.serves(basis)
+               for b in (self._requested, ready and ready[0])):
+            return
+        self._requested = basis
+        job = self.job
+        self.precompute.request(basis, cache_builder(
+            basis, self.me, profile=lambda: self._profile(trainer, basis),
+            nodes=lambda: node_ranks(job)))
+
+    def _cancel_precompute(self) -> None:
+        """Abandon the build in progress (what is ready stays): a recovery begins."""
+        self.precompute.cancel()
+        self._requested = None
+
+    def _cached(self, basis: DecisionBasis, membership: Membership,
+                agreed: Agreed) -> tuple[Profile | None, DecisionCandidates | None]:
+        """The profile and candidates precomputed for this failure, if any (both None: the
+        decision is computed fresh)."""
+        ready = self.precompute.ready()
+        if ready is None or not ready[0].serves(basis, same_members=False):
+            return None, None
+        cache = ready[1]
+        cands = cache.lookup(plan=self.plan, alive=membership.members, stale=agreed.stale,
+                             plans=basis.plans)
+        return (cache.inputs.profile, cands) if cands is not None else (None, None)
 
     def _expected_time_to_failure(self) -> float:
         """D of Eq. 8 from the prior MTBF and this job's failures (clock skew clamped)."""

@@ -148,6 +148,7 @@ class ResiliencePlugin(TrainerPlugin):
         if me is None:
             if self.controller.shards is not None:  # copies of the starting state
                 self.controller.refresh_shards(trainer)
+            self.controller.precompute_decisions(trainer)  # ready before the first failure
             return None
         self._args = trainer.args
         backend = "nccl" if trainer.device.type == "cuda" else "gloo"

@@ -136,6 +136,9 @@ def test_adaptive_reroutes_then_re_plans(reference, tmp_path: Path) -> None:
     assert first["decision"]["choice"] == "reroute", first["decision"]
     assert first["layout_after"]["mode"] == "reroute"
     assert second["failed_ranks"] == [1] and second["decision"]["choice"] == "replan"
+    # rank 0 had precomputed every single failure of the rerouted layout between steps 3
+    # and 7: the re-plan was looked up, not searched
+    assert second["decision"]["decision_from"] == "cache", second["decision"]
     pipes = second["layout_after"]["pipelines"]
     assert sorted((len(p["stages"]), p["microbatches"]) for p in pipes) == [(2, 6), (4, 10)]
     deep = next(p for p in pipes if len(p["stages"]) == 4)
