@@ -27,6 +27,7 @@ import torch
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.frames import clear_frames
+from chameleon_megatron.training.loop_position import LoopPosition, work_due
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
     StepAction,
@@ -65,7 +66,7 @@ class Entry:
     non_loss_data_func: Any
 
 
-class LMLoop:
+class LMLoop(LoopPosition):
     """One rank's run of Megatron-LM's training loop, seen by plugins as a trainer."""
 
     def __init__(self, training: ModuleType, plugins: list[TrainerPlugin], providers: Providers,
@@ -245,26 +246,19 @@ class LMLoop:
         """Redo the work after step ``iteration`` that is due, from phase ``start`` on."""
         args, it = self._training.get_args(), self.iteration
         for phase in AFTER_STEP[AFTER_STEP.index(start):]:
-            if phase == "eval" and args.eval_interval and it % args.eval_interval == 0 \
-                    and args.do_valid:
+            if not work_due(args, it, phase, final_save=False):
+                continue
+            if phase == "eval":
                 self._training.evaluate_and_print_results(
                     f"iteration {it}", entry.forward_step_func,
                     self.current(self._originals[1]), self.model, it,
                     entry.process_non_loss_data_func, self.config, verbose=False,
                     write_to_tensorboard=True, non_loss_data_func=entry.non_loss_data_func)
-            if phase == "save" and args.save and args.save_interval \
-                    and it % args.save_interval == 0:
+            if phase == "save":
                 self._training.save_checkpoint_and_time(
                     it, self.model, self.optimizer, self.scheduler, self._flops,
                     entry.checkpointing_context,
                     train_data_iterator=self.current(self._originals[0]))
-
-    def _take_redo_after(self) -> str:
-        phase, self._redo_after = self._redo_after, ""
-        if self.rank == 0:
-            logger.info("the work after step %d is redone from its %s in the new layout",
-                        self.iteration, "evaluation" if phase == "eval" else "checkpoint")
-        return phase
 
     # ----------------------------------------------------------------- TrainerHandle
     @property
@@ -306,12 +300,6 @@ class LMLoop:
     def use_engine(self, engine: Any, *, rank: int, world_size: int,
                    hints: dict[str, Any] | None = None) -> None:
         raise RuntimeError("Megatron-LM's loop trains megatron layouts only (no plan runtime)")
-
-    def resume_at(self, *, iteration: int, consumed_samples: int,
-                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
-        self.iteration, self.consumed_samples = iteration, consumed_samples
-        self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
-        self._redo_after = after_step
 
     def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
                 hints: dict[str, Any] | None = None) -> None:

@@ -22,6 +22,7 @@ from chameleon_megatron.training.engine import StepEngine
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
 from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.megatron_engine import MegatronEngine
+from chameleon_megatron.training.loop_position import LoopPosition, work_due
 from chameleon_megatron.training.metrics import log_line
 from chameleon_megatron.training.optim import build_optimizer, build_scheduler
 from chameleon_megatron.training.plugin import (
@@ -42,7 +43,7 @@ class StepNotRedone(RuntimeError):
     """A step failed on this rank alone, and nothing can make the others redo it."""
 
 
-class Trainer:
+class Trainer(LoopPosition):
     """One training run on this rank; ``setup()`` then ``train()``, ``close()`` at the end.
     Plugins see it as a ``TrainerHandle``."""
 
@@ -58,8 +59,6 @@ class Trainer:
         self.after_step = ""
         """The work after step ``iteration`` this rank is inside (``AFTER_STEP``), else ""."""
         self._redo_after = ""
-        """Set by a recovery: the work after step ``iteration`` to run, from this phase, before
-        the next step."""
         self.history: list[dict[str, Any]] = []
         self.engine: StepEngine
         """Runs the steps: megatron's schedules (``_build``) or a plan's (``use_engine``)."""
@@ -195,12 +194,6 @@ class Trainer:
     def model_and_optimizer(self) -> tuple[list[Any], Any]:
         return self.model, self.optimizer
 
-    def resume_at(self, *, iteration: int, consumed_samples: int,
-                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
-        self.iteration, self.consumed_samples = iteration, consumed_samples
-        self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
-        self._redo_after = after_step
-
     def drop_final_save(self) -> None:
         self.args = copy.copy(self.args)
         self.args.save = None
@@ -332,7 +325,7 @@ class Trainer:
         fallback; "stop" that this rank left (a spare at the job's end)."""
         iteration = self.iteration
         for phase in AFTER_STEP[AFTER_STEP.index(start):]:
-            if not self._due(phase):
+            if not work_due(self.args, self.iteration, phase, final_save=True):
                 continue
             self.after_step = phase
             try:
@@ -347,22 +340,9 @@ class Trainer:
                 return "redo"
         return None
 
-    def _due(self, phase: str) -> bool:
-        a = self.args
-        if phase == "eval":
-            return bool(a.eval_interval and a.eval_iters and self.iteration % a.eval_interval == 0)
-        return bool(a.save and (self.iteration == a.train_iters
-                                or (a.save_interval and self.iteration % a.save_interval == 0)))
 
     def _evaluate_and_emit(self) -> None:
         self.emit(self.evaluate())
-
-    def _take_redo_after(self) -> str:
-        phase, self._redo_after = self._redo_after, ""
-        if self.env.rank == 0:
-            logger.info("the work after step %d is redone from its %s in the new layout",
-                        self.iteration, "evaluation" if phase == "eval" else "checkpoint")
-        return phase
 
     def save(self) -> None:
         for plugin in self.plugins:

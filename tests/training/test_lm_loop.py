@@ -72,7 +72,7 @@ class Megatron:
     def __init__(self, fail: dict[tuple[str, int], Exception] | None = None) -> None:
         self.args = argparse.Namespace(
             iteration=0, curr_iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
-            num_floating_point_operations_so_far=0.0, train_iters=4, eval_interval=2,
+            num_floating_point_operations_so_far=0.0, train_iters=4, eval_interval=2, eval_iters=1,
             do_valid=True, save=None, save_interval=None, load=None)
         self.fail = dict(fail or {})
         self.timers = Timers()

@@ -38,6 +38,7 @@ from chameleon_megatron.resilience.recovery.detector import (
     is_communication_error,
 )
 from chameleon_megatron.resilience.recovery.fault_hooks import install_fault_hooks
+from chameleon_megatron.training.loop_position import work_due
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import check_profile
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
@@ -45,6 +46,7 @@ from chameleon_megatron.resilience.store.env import RELAUNCH_ENV
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import join_id_from_env
 from chameleon_megatron.training.plugin import (
+    AFTER_STEP,
     StepAction,
     TrainContext,
     TrainerHandle,
@@ -188,11 +190,8 @@ class ResiliencePlugin(TrainerPlugin):
 
     def _slow_work_after(self, iteration: int) -> bool:
         """A checkpoint or an evaluation follows this step (no beats, long collectives)."""
-        a = self._args
-        saves = a.save and (iteration == a.train_iters
-                            or (a.save_interval and iteration % a.save_interval == 0))
-        evaluates = a.eval_interval and a.eval_iters and iteration % a.eval_interval == 0
-        return bool(saves or evaluates)
+        return any(work_due(self._args, iteration, phase, final_save=True)
+                   for phase in AFTER_STEP)
 
     def on_step_failed(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         """A peer's failure (a communication error): recover. A local error is another
