@@ -37,7 +37,7 @@ import torch
 from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.training.lm_loop import LMLoop, Providers
-from chameleon_megatron.metrics_file import MetricsWriter, current_run
+from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
 from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,8 @@ class MegatronLMHook:
             self._metrics_path = config.metrics.file
             self._metrics = MetricsWriter(self._metrics_path,
                                           enabled=torch.distributed.get_rank() == 0)
+            self._metrics.write(run_record(torch.distributed.get_world_size(),
+                                           self._training.get_args(), _megatron_version()))
             self.loop = LMLoop(
                 self._training, self.plugins, self._providers, setup=original,
                 build_iterators=self._originals["build_train_valid_test_data_iterators"],
@@ -234,6 +236,13 @@ class MegatronLMHook:
                 return original(*bound.args, **bound.kwargs)
 
         return seam
+
+
+def _megatron_version() -> str:
+    """The version of the megatron package imported: the checkout's, not an installed wheel's."""
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
 
 
 def _loss_to_rank0(loss_dict: dict[str, Any], pipelined: bool) -> float | None:

@@ -72,7 +72,15 @@ def run_real(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[dict],
             os.killpg(run.pid, 9)
             run.wait()
     assert run.returncode == 0, log[-6000:]
-    return [json.loads(line) for line in out.read_text().splitlines()], log
+    return iterations(out), log
+
+
+def iterations(path: Path) -> list[dict]:
+    """The iteration records of a metrics file, after the run record it starts with."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records[0]["event"] == "run" and records[0]["run_id"] == 1
+    assert [r["event"] for r in records[1:]] == ["iteration"] * (len(records) - 1)
+    return records[1:]
 
 
 def readme_recipe() -> list[str]:
@@ -95,7 +103,7 @@ def test_readme_recipe_runs_as_written_and_swap_keeps_the_losses(real_checkout):
         run = subprocess.run(["bash", "-c", command.replace("/path/to/Megatron-LM", str(ckpt))],
                              cwd=cwd, env=here, capture_output=True, text=True, timeout=250)
         assert run.returncode == 0, (command, (run.stdout + run.stderr)[-6000:])
-    swapped = [json.loads(line) for line in (ckpt / "runs" / "swap.jsonl").read_text().splitlines()]
+    swapped = iterations(ckpt / "runs" / "swap.jsonl")
     assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
     plain, log = run_real(ckpt, env, ckpt / "runs" / "plain.jsonl",
                           "--pipeline-model-parallel-size", "2")
