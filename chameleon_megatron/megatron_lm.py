@@ -103,7 +103,10 @@ def chain_providers(*providers: ArgsProvider | None) -> ArgsProvider:
 
 def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
     """Refuse what this path cannot run (before Megatron-LM builds anything): one
-    ConfigError naming the flag and why (tables in ``megatron/lm_limits.py``)."""
+    ConfigError naming the flag and why (tables in ``megatron/lm_limits.py``), or naming a
+    metrics file that holds a run without ``--chameleon-metrics-append`` (as on chameleon's
+    trainer)."""
+    check_metrics_file(config)
     if config.swap.enabled:
         refused = first_refused(swap_limits(margs))
         if refused is not None:

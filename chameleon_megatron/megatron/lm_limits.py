@@ -101,8 +101,9 @@ def ft_limits(margs: argparse.Namespace) -> Limits:
 def swap_limits(margs: argparse.Namespace) -> Limits:
     """What ``--chameleon-swap`` cannot share: Megatron's own activation offloading owns the
     same saved-tensor hooks."""
+    # Megatron sets its cpu_offloading from --cpu-offloading-num-layers (no flag of its own)
     return [
-        not _get(margs, "cpu_offloading_num_layers", 0),  # megatron sets cpu_offloading from it
+        (not _get(margs, "cpu_offloading_num_layers", 0),
          f"--cpu-offloading-num-layers {_get(margs, 'cpu_offloading_num_layers')}: "
          "Megatron's activation offloading and Chameleon's swap would both own the "
          "saved-tensor hooks; use one"),
