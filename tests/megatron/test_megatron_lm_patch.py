@@ -229,6 +229,9 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
     ({}, {"use_megatron_fsdp": True}, "--chameleon-ft: --use-megatron-fsdp: FSDP shards"),
     ({}, {"use_custom_fsdp": True}, "--chameleon-ft: --use-custom-fsdp: FSDP shards"),
     ({}, {"fp16": True}, "--chameleon-ft: --fp16: the loss scaler's state"),
+    ({}, {"moe_router_enable_expert_bias": True},
+     "--chameleon-ft: --moe-router-enable-expert-bias: the router's expert_bias is a module "
+     "buffer"),
     ({}, {"ckpt_format": "torch"}, "--chameleon-ft: --ckpt-format torch"),
     ({}, {"async_save": True}, "--chameleon-ft: --async-save"),
     ({}, {"non_persistent_ckpt_type": "local"},
