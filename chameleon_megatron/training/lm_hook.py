@@ -5,7 +5,8 @@ While the wrapped ``pretrain()`` runs, these functions of ``megatron.training.tr
 returns or raises:
 
 - ``setup_model_and_optimizer``: then the plugins are built from the Chameleon config and
-  see ``on_model_built`` with the DDP-wrapped chunks, the optimizer and the LR schedule;
+  see ``on_model_built`` with the DDP-wrapped chunks, the optimizer and the LR schedule,
+  and with ``--chameleon-metrics-file`` rank 0 writes the ``run`` record;
 - ``build_train_valid_test_data_iterators``: the loop learns the iterators it replaces
   after a recovery;
 - ``train``: ``LMLoop.train`` calls it, and calls it again after each recovery;
@@ -97,8 +98,9 @@ class MegatronLMHook:
             self._metrics_path = config.metrics.file
             self._metrics = MetricsWriter(self._metrics_path,
                                           enabled=torch.distributed.get_rank() == 0)
-            self._metrics.write(run_record(torch.distributed.get_world_size(),
-                                           self._training.get_args(), _megatron_version()))
+            if self._metrics_path is not None:  # the file starts as chameleon's trainer's
+                self._metrics.write(run_record(torch.distributed.get_world_size(),
+                                               self._training.get_args(), _megatron_version()))
             self.loop = LMLoop(
                 self._training, self.plugins, self._providers, setup=original,
                 build_iterators=self._originals["build_train_valid_test_data_iterators"],
