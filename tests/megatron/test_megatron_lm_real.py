@@ -162,7 +162,8 @@ def package_version(ckpt: Path) -> str:
      "--chameleon-swap with --fine-grained-activation-offloading: Megatron's activation "
      "offloading and Chameleon's swap would both own the saved-tensor hooks"),
     (["--chameleon-ft", "--fp16"], "--chameleon-ft: --fp16: the loss scaler's state"),
-    (["--chameleon-ft", "--context-parallel-size", "2"], "--chameleon-ft: --context-parallel-size 2"),
+    (["--chameleon-ft", "--context-parallel-size", "2"],
+     "--chameleon-ft: --context-parallel-size 2"),
     (["--chameleon-metrics-file", "USED"], "already holds a run; give --chameleon-metrics-append"),
 ])
 def test_the_real_entry_refuses_in_one_line_before_any_work(real_checkout, tmp_path, flags,
