@@ -38,9 +38,10 @@ from chameleon_megatron.config import (
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import fail
 from chameleon_megatron.megatron.lm_cpu import lm_cpu_platform, set_cpu_defaults
+from chameleon_megatron.megatron.lm_limits import first_refused, ft_limits, swap_limits
 from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
 from chameleon_megatron.training.lm_loop import Leave, Providers
-from chameleon_megatron.preflight import check_launcher
+from chameleon_megatron.preflight import check_launcher, check_metrics_file
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.with_agent import end_with_agent
 from chameleon_megatron.swap.config import SwapConfig
@@ -101,7 +102,15 @@ def chain_providers(*providers: ArgsProvider | None) -> ArgsProvider:
 
 
 def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
-    """Refuse what this path cannot run (before Megatron-LM builds anything)."""
+    """Refuse what this path cannot run (before Megatron-LM builds anything): one
+    ConfigError naming the flag and why (tables in ``megatron/lm_limits.py``), or naming a
+    metrics file that holds a run without ``--chameleon-metrics-append`` (as on chameleon's
+    trainer)."""
+    check_metrics_file(config)
+    if config.swap.enabled:
+        refused = first_refused(swap_limits(margs))
+        if refused is not None:
+            raise ConfigError(f"--chameleon-swap with {refused}")
     ft = config.ft
     if not ft.enabled:
         return
@@ -110,21 +119,7 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
         if value != getattr(ResilienceConfig(), name):
             raise ConfigError(f"ft.{name}={value!r}: Megatron-LM's pretrain_gpt.py admits no "
                               "new members into a running job; use chameleon-pretrain-gpt")
-    limits = [
-        (margs.num_layers_per_virtual_pipeline_stage is None
-         and getattr(margs, "num_virtual_stages_per_pipeline_rank", None) is None,
-         "interleaved pipelines (virtual stages) are not recovered yet"),
-        (margs.rampup_batch_size is None,
-         "--rampup-batch-size: the decision center plans for one global batch size"),
-        (not (margs.use_distributed_optimizer
-              and getattr(margs, "expert_model_parallel_size", 1) > 1),
-         "--use-distributed-optimizer with --expert-model-parallel-size > 1: the shard "
-         "copies follow the data-parallel group, not the expert data-parallel one"),
-        (not getattr(margs, "optimizer_cpu_offload", False),
-         "--optimizer-cpu-offload: megatron's HybridDeviceOptimizer moves state between its "
-         "device and host sub-optimizers at each step; in-memory recovery does not follow it"),
-    ]
-    refused = next((why for ok, why in limits if not ok), None)
+    refused = first_refused(ft_limits(margs))
     if refused is not None:
         raise ConfigError(f"--chameleon-ft: {refused}")
     check_launcher(config)

@@ -7,6 +7,7 @@ run was started with ``--chameleon-metrics-append``; readers take the last run b
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,6 +39,27 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def run_record(world_size: int, args: argparse.Namespace, megatron_core: str) -> dict[str, Any]:
+    """The record a run starts with: its world size, its Megatron arguments (those JSON can
+    hold; ``chameleon profile`` reads the model shape from them) and the versions it ran."""
+    import torch
+
+    return {"event": "run", "world_size": world_size, "args": jsonable_args(args),
+            "versions": {"torch": torch.__version__, "megatron_core": megatron_core}}
+
+
+def jsonable_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron arguments that are plain values (Chameleon's own flags left out)."""
+    out = {}
+    for k, v in vars(args).items():
+        if k.startswith("chameleon"):
+            continue
+        if isinstance(v, (int, float, str, bool, type(None))) or (
+                isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v)):
+            out[k] = v
+    return out
 
 
 def _records(path: str | Path) -> list[dict[str, Any]]:

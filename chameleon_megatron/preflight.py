@@ -20,7 +20,7 @@ from chameleon_megatron.training.data_files import check_data_files
 def preflight(args: argparse.Namespace, cfg: ChameleonConfig) -> None:
     check_data_files(args)
     check_launcher(cfg)
-    _metrics_file(cfg)
+    check_metrics_file(cfg)
 
 
 def check_launcher(cfg: ChameleonConfig) -> None:
@@ -31,7 +31,8 @@ def check_launcher(cfg: ChameleonConfig) -> None:
                           "whose agent keeps the survivors of a failure running")
 
 
-def _metrics_file(cfg: ChameleonConfig) -> None:
+def check_metrics_file(cfg: ChameleonConfig) -> None:
+    """A metrics file that holds a run is refused unless ``--chameleon-metrics-append``."""
     path = cfg.metrics.file
     # A relaunched, restarted or joining worker continues the run already in the file.
     continuing = cfg.ft.join or RELAUNCH_ENV in os.environ or JOIN_ENV in os.environ

@@ -32,6 +32,8 @@ UNSUPPORTED_MEGATRON_FLAGS = frozenset({
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--num-virtual-stages-per-pipeline-rank", "--mock-data-path", "--optimizer-cpu-offload",
     "--use-precision-aware-optimizer",
+    # Megatron's own activation offloading: this trainer has none (its swap is Chameleon's)
+    "--cpu-offloading-num-layers", "--fine-grained-activation-offloading",
 })
 
 

@@ -5,7 +5,8 @@ While the wrapped ``pretrain()`` runs, these functions of ``megatron.training.tr
 returns or raises:
 
 - ``setup_model_and_optimizer``: then the plugins are built from the Chameleon config and
-  see ``on_model_built`` with the DDP-wrapped chunks, the optimizer and the LR schedule;
+  see ``on_model_built`` with the DDP-wrapped chunks, the optimizer and the LR schedule,
+  and with ``--chameleon-metrics-file`` rank 0 writes the ``run`` record;
 - ``build_train_valid_test_data_iterators``: the loop learns the iterators it replaces
   after a recovery;
 - ``train``: ``LMLoop.train`` calls it, and calls it again after each recovery;
@@ -37,7 +38,7 @@ import torch
 from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.training.lm_loop import LMLoop, Providers
-from chameleon_megatron.metrics_file import MetricsWriter, current_run
+from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
 from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class MegatronLMHook:
             self._metrics_path = config.metrics.file
             self._metrics = MetricsWriter(self._metrics_path,
                                           enabled=torch.distributed.get_rank() == 0)
+            if self._metrics_path is not None:  # the file starts as chameleon's trainer's
+                self._metrics.write(run_record(torch.distributed.get_world_size(),
+                                               self._training.get_args(), _megatron_version()))
             self.loop = LMLoop(
                 self._training, self.plugins, self._providers, setup=original,
                 build_iterators=self._originals["build_train_valid_test_data_iterators"],
@@ -234,6 +238,13 @@ class MegatronLMHook:
                 return original(*bound.args, **bound.kwargs)
 
         return seam
+
+
+def _megatron_version() -> str:
+    """The version of the megatron package imported: the checkout's, not an installed wheel's."""
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
 
 
 def _loss_to_rank0(loss_dict: dict[str, Any], pipelined: bool) -> float | None:

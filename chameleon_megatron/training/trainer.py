@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
 from chameleon_megatron.megatron import groups
-from chameleon_megatron.metrics_file import MetricsWriter, current_run
+from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
 from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
@@ -90,10 +90,7 @@ class Trainer(LoopPosition):
             self.load(args.load)
         self._announce_model()
         self._log_start()
-        self.metrics.write({"event": "run", "world_size": self.env.world_size,
-                            "args": _jsonable_args(args),
-                            "versions": {"torch": torch.__version__,
-                                         "megatron_core": version("megatron-core")}})
+        self.metrics.write(run_record(self.env.world_size, args, version("megatron-core")))
 
     def _build(self) -> None:
         """Model chunks, DDP, optimizer and LR schedule for the current parallel state."""
@@ -380,14 +377,3 @@ class Trainer(LoopPosition):
         for plugin in self.plugins:
             plugin.on_train_end()
         self.metrics.close()
-
-
-def _jsonable_args(args: argparse.Namespace) -> dict[str, Any]:
-    out = {}
-    for k, v in vars(args).items():
-        if k.startswith("chameleon"):
-            continue
-        if isinstance(v, (int, float, str, bool, type(None))) or (
-                isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v)):
-            out[k] = v
-    return out

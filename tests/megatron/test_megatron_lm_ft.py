@@ -67,6 +67,7 @@ def reference(checkout, tmp_path_factory):
     """Megatron-LM's own run of the job on 4 ranks (PP2 x DP2), no failure, no Chameleon
     fault tolerance: losses by iteration, validation losses by iteration."""
     records, log = launch(checkout, tmp_path_factory.mktemp("ref") / "ref.jsonl", 4, ft=False)
+    records = iterations(records)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
     return {r["iteration"]: r["loss"] for r in records}, dict(VALIDATION.findall(log))
 
@@ -131,7 +132,7 @@ def test_a_bf16_tensor_parallel_job_recovers_with_the_failure_free_losses(checko
     and goes on as TP2 x DP1 with a spare. Against Megatron-LM's failure-free run of the same
     job: every step once, every loss within the bf16 tolerance (measured: bitwise equal)."""
     job = [*MODEL, "--tensor-model-parallel-size", "2", "--bf16"]
-    plain, _ = launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)
+    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
     records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
                         "--chameleon-inject-fault", "rank=3,iteration=4,phase=backward,kind=exit",
                         job=job)
@@ -153,7 +154,7 @@ def test_an_sgd_job_recovers_with_its_momentum(checkout, tmp_path):
     Against Megatron-LM's failure-free run of the same job: every step once, every loss
     within 1e-4 (a momentum buffer that did not move would change steps 4-6)."""
     job = [*JOB, "--optimizer", "sgd"]
-    plain, _ = launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)
+    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
     records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
                         "--chameleon-inject-fault", "rank=1,iteration=3,phase=backward,kind=exit",
                         job=job)
@@ -175,7 +176,7 @@ def test_a_distributed_optimizer_job_recovers_from_its_shard_copies(checkout, tm
     Megatron-LM's failure-free run of the same job: every loss within 1e-4, redone ones
     included."""
     job = [*JOB, "--use-distributed-optimizer"]
-    plain, _ = launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)
+    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
     records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
                         "--chameleon-ft-shard-replica-interval", "2",
                         "--chameleon-inject-fault", "rank=1,iteration=4,phase=backward,kind=exit",

@@ -199,15 +199,73 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
 @pytest.mark.parametrize("ft, margs, message", [
     ({"respawns": 1}, {}, "ft.respawns=1: Megatron-LM's pretrain_gpt.py admits no new members"),
     ({"join": True}, {}, "ft.join=True: Megatron-LM's pretrain_gpt.py admits no new members"),
-    ({}, {"use_distributed_optimizer": True, "expert_model_parallel_size": 2},
-     "--chameleon-ft: --use-distributed-optimizer with --expert-model-parallel-size > 1"),
     ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),
     ({}, {"num_layers_per_virtual_pipeline_stage": 1}, "interleaved pipelines"),
+    ({}, {"num_virtual_stages_per_pipeline_rank": 2}, "interleaved pipelines"),
     ({}, {"optimizer_cpu_offload": True}, "--chameleon-ft: --optimizer-cpu-offload: megatron's "
      "HybridDeviceOptimizer"),
+    # what groups.build_uniform / LMLoop.rebuild do not rebuild
+    ({}, {"context_parallel_size": 2}, "--chameleon-ft: --context-parallel-size 2: recovery "
+     "rebuilds tensor, pipeline and data parallelism only"),
+    ({}, {"expert_model_parallel_size": 2}, "--chameleon-ft: --expert-model-parallel-size 2: "
+     "recovery rebuilds expert parallelism 1 only"),
+    ({}, {"use_distributed_optimizer": True, "expert_model_parallel_size": 2},
+     "--chameleon-ft: --expert-model-parallel-size 2"),
+    ({}, {"expert_tensor_parallel_size": 2}, "--chameleon-ft: --expert-tensor-parallel-size 2 "
+     "with --tensor-model-parallel-size 1: recovery rebuilds expert tensor parallelism at the "
+     "TP degree only"),
+    ({}, {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+     "--expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2"),
+    ({}, {"use_tp_pp_dp_mapping": True}, "--chameleon-ft: --use-tp-pp-dp-mapping"),
+    ({}, {"decoder_first_pipeline_num_layers": 1},
+     "--chameleon-ft: --decoder-first-pipeline-num-layers: uneven pipeline stages"),
+    ({}, {"decoder_last_pipeline_num_layers": 1},
+     "--chameleon-ft: --decoder-last-pipeline-num-layers: uneven pipeline stages"),
+    ({}, {"pipeline_model_parallel_layout": "Et|tL"},
+     "--chameleon-ft: --pipeline-model-parallel-layout: uneven pipeline stages"),
+    ({}, {"num_distributed_optimizer_instances": 2},
+     "--chameleon-ft: --num-distributed-optimizer-instances 2"),
+    ({}, {"use_torch_fsdp2": True}, "--chameleon-ft: --use-torch-fsdp2: FSDP shards"),
+    ({}, {"use_megatron_fsdp": True}, "--chameleon-ft: --use-megatron-fsdp: FSDP shards"),
+    ({}, {"use_custom_fsdp": True}, "--chameleon-ft: --use-custom-fsdp: FSDP shards"),
+    ({}, {"fp16": True}, "--chameleon-ft: --fp16: the loss scaler's state"),
+    ({}, {"moe_router_enable_expert_bias": True},
+     "--chameleon-ft: --moe-router-enable-expert-bias: the router's expert_bias is a module "
+     "buffer"),
+    ({}, {"ckpt_format": "torch"}, "--chameleon-ft: --ckpt-format torch"),
+    ({}, {"async_save": True}, "--chameleon-ft: --async-save"),
+    ({}, {"non_persistent_ckpt_type": "local"},
+     "--chameleon-ft: --non-persistent-ckpt-type local"),
 ])
 def test_what_recovery_cannot_run_on_this_path_is_refused(monkeypatch, ft, margs, message):
     monkeypatch.setenv(AGENT_ENV, "1")
     with pytest.raises(ConfigError, match=re.escape(message)):
         megatron_lm.check_supported(build_config({"ft": {"enabled": True, **ft}}),
                                     argparse.Namespace(**{**vars(MARGS), **margs}))
+    # only recovery is concerned: the same settings without --chameleon-ft pass
+    megatron_lm.check_supported(build_config({}), argparse.Namespace(**{**vars(MARGS), **margs}))
+
+
+@pytest.mark.parametrize("margs", [
+    {"expert_tensor_parallel_size": None}, {"expert_tensor_parallel_size": 1},
+    {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
+    {"ckpt_format": "torch_dist", "non_persistent_ckpt_type": "global",
+     "num_distributed_optimizer_instances": 1, "context_parallel_size": 1},
+])
+def test_what_recovery_rebuilds_is_accepted(monkeypatch, margs):
+    monkeypatch.setenv(AGENT_ENV, "1")
+    megatron_lm.check_supported(build_config({"ft": {"enabled": True}}),
+                                argparse.Namespace(**{**vars(MARGS), **margs}))
+
+
+@pytest.mark.parametrize("margs, flag", [
+    ({"cpu_offloading_num_layers": 1}, "--cpu-offloading-num-layers 1"),
+    ({"fine_grained_activation_offloading": True}, "--fine-grained-activation-offloading"),
+])
+def test_swap_with_megatrons_activation_offloading_is_refused(margs, flag):
+    settings = argparse.Namespace(**{**vars(MARGS), **margs})
+    with pytest.raises(ConfigError, match=re.escape(
+            f"--chameleon-swap with {flag}: Megatron's activation offloading and Chameleon's "
+            "swap would both own the saved-tensor hooks")):
+        megatron_lm.check_supported(build_config({"swap": {"enabled": True}}), settings)
+    megatron_lm.check_supported(build_config({}), settings)  # either alone is fine

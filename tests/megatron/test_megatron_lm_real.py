@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from chameleon_megatron import cli
+from chameleon_megatron.metrics_file import read_metrics
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_support import REPO, copy_checkout, needs_real, patch, script_bytes  # noqa: E402
 
@@ -72,7 +75,15 @@ def run_real(ckpt: Path, env: dict, out: Path, *extra: str) -> tuple[list[dict],
             os.killpg(run.pid, 9)
             run.wait()
     assert run.returncode == 0, log[-6000:]
-    return [json.loads(line) for line in out.read_text().splitlines()], log
+    return iterations(out), log
+
+
+def iterations(path: Path) -> list[dict]:
+    """The iteration records of a metrics file, after the run record it starts with."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records[0]["event"] == "run" and records[0]["run_id"] == 1
+    assert [r["event"] for r in records[1:]] == ["iteration"] * (len(records) - 1)
+    return records[1:]
 
 
 def readme_recipe() -> list[str]:
@@ -95,7 +106,7 @@ def test_readme_recipe_runs_as_written_and_swap_keeps_the_losses(real_checkout):
         run = subprocess.run(["bash", "-c", command.replace("/path/to/Megatron-LM", str(ckpt))],
                              cwd=cwd, env=here, capture_output=True, text=True, timeout=250)
         assert run.returncode == 0, (command, (run.stdout + run.stderr)[-6000:])
-    swapped = [json.loads(line) for line in (ckpt / "runs" / "swap.jsonl").read_text().splitlines()]
+    swapped = iterations(ckpt / "runs" / "swap.jsonl")
     assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
     plain, log = run_real(ckpt, env, ckpt / "runs" / "plain.jsonl",
                           "--pipeline-model-parallel-size", "2")
@@ -124,3 +135,47 @@ def test_real_checkout_trains_dp2_on_cpu_with_and_without_swap(real_checkout, tm
     # Swapping moves saved activations to host memory and back: losses stay bitwise equal.
     assert [r["loss"] for r in swapped] == [r["loss"] for r in plain]
     assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
+    # chameleon's tools read the file this path writes: the run record's args give the model
+    # shape, the iteration records the step times and swap figures
+    (run,) = read_metrics(tmp_path / "plain.jsonl", "run")
+    assert (run["world_size"], run["args"]["num_layers"], run["args"]["hidden_size"]) == (2, 2, 64)
+    assert run["versions"]["megatron_core"] == package_version(ckpt)
+    profile = tmp_path / "profile.json"
+    assert cli.main(["profile", "--metrics", str(tmp_path / "plain.jsonl"), "-o",
+                     str(profile)]) == 0
+    assert json.loads(profile.read_text())["model"]["num_layers"] == 2
+    figure = tmp_path / "swap.png"
+    assert cli.main(["report", str(tmp_path / "swap.jsonl"), "--out", str(figure)]) == 0
+    assert figure.stat().st_size > 0
+
+
+def package_version(ckpt: Path) -> str:
+    """The version of the checkout's megatron.core (its package_info.py)."""
+    info: dict = {}
+    exec((ckpt / "megatron" / "core" / "package_info.py").read_text(), info)
+    return info["__version__"]
+
+
+@needs_real
+@pytest.mark.parametrize("flags, message", [
+    (["--chameleon-swap", "--fine-grained-activation-offloading"],
+     "--chameleon-swap with --fine-grained-activation-offloading: Megatron's activation "
+     "offloading and Chameleon's swap would both own the saved-tensor hooks"),
+    (["--chameleon-ft", "--fp16"], "--chameleon-ft: --fp16: the loss scaler's state"),
+    (["--chameleon-ft", "--context-parallel-size", "2"],
+     "--chameleon-ft: --context-parallel-size 2"),
+    (["--chameleon-metrics-file", "USED"], "already holds a run; give --chameleon-metrics-append"),
+])
+def test_the_real_entry_refuses_in_one_line_before_any_work(real_checkout, tmp_path, flags,
+                                                            message):
+    ckpt, env = real_checkout
+    patch.apply(ckpt)
+    used = tmp_path / "used.jsonl"
+    used.write_text('{"event": "run", "run_id": 1}\n')
+    flags = [str(used) if f == "USED" else f for f in flags]
+    run = subprocess.run([sys.executable, "pretrain_gpt.py", *USER_FLAGS, *flags], env=env,
+                         cwd=ckpt, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"pretrain_gpt.py: error: {errors[0].split('error: ', 1)[1]}"], errors
+    assert message in errors[0] and "Traceback" not in run.stderr

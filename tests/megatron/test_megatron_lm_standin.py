@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from megatron.core import package_info
 
+from chameleon_megatron.metrics_file import read_metrics, run_ids
 from chameleon_megatron.resilience.store.env import AGENT_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +59,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser.add_argument("--rampup-batch-size", nargs="*")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--cpu-offloading-num-layers", type=int, default=0)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser.parse_known_args()[0] if ignore_unknown_args else parser.parse_args()
@@ -302,6 +307,12 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     (["--chameleon-ft", "--chameleon-ft-shard-replica-interval", "0", "AGENT"],
      "ft.shard_replica_interval=0: must be >= 1"),
     (["PRESET", "AGENT"], "ft.respawns=2: Megatron-LM's pretrain_gpt.py admits no new members"),
+    (["--chameleon-ft", "--context-parallel-size", "2", "AGENT"],
+     "--chameleon-ft: --context-parallel-size 2: recovery rebuilds tensor, pipeline and data "
+     "parallelism only"),
+    (["--chameleon-swap", "--cpu-offloading-num-layers", "1"],
+     "--chameleon-swap with --cpu-offloading-num-layers 1: Megatron's activation offloading"),
+    (["--chameleon-metrics-file", "USED"], "already holds a run; give --chameleon-metrics-append"),
 ])
 def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
         standin, tmp_path, flags, message):
@@ -311,6 +322,9 @@ def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
     agent = {AGENT_ENV: "1"} if "AGENT" in flags else {}  # as if under chameleon-run
     flags = [f for f in flags if f != "AGENT"]
     flags = ["--chameleon-config", str(preset)] if flags == ["PRESET"] else flags
+    used = tmp_path / "used.jsonl"
+    used.write_text('{"event": "run", "run_id": 1}\n')
+    flags = [str(used) if f == "USED" else f for f in flags]
     run = subprocess.run([sys.executable, str(tmp_path / "driver.py"),
                           str(ckpt / "pretrain_gpt.py"), *flags],
                          env={**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -366,7 +380,13 @@ def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
     assert rank0["events"] == [["built", 0, 0, 2, 1, "cpu", "config:Linear", extra], *steps]
     assert rank1["events"] == [["built", 1, 1, 2, 1, "cpu", "config:Linear", extra], *steps]
 
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    run, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # the run record, as chameleon's trainer writes it (chameleon profile reads its args)
+    assert (run["event"], run["run_id"], run["world_size"]) == ("run", 1, 2)
+    assert (run["args"]["num_layers"], run["args"]["hidden_size"]) == (3, 128)
+    assert run["versions"] == {"torch": torch.__version__,
+                               "megatron_core": package_info.__version__}
+    assert not any(k.startswith("chameleon") for k in run["args"])
     layout = {"tp": 1, "pp": 2, "vpp": 1, "dp": 1}
     # loss comes from the last rank (rank 0 reports none); consumed = 4 per step;
     # probe = events rank 0's plugin had seen when metrics() was called after each step.
@@ -377,3 +397,31 @@ def test_hook_drives_plugins_and_metrics_across_two_ranks(standin, tmp_path):
         ("iteration", 3, 12.0, 12, 2, layout, 9),
     ]
     assert all(r["step_time_s"] > 0 for r in records)
+
+
+def test_a_used_metrics_file_takes_another_run_only_when_appended(standin, tmp_path):
+    """As on chameleon's trainer: a file holding a run is refused (exit 2, one line) unless
+    --chameleon-metrics-append; then the new run has the next run_id, and readers take it."""
+    ckpt, env = standin
+    metrics = tmp_path / "m.jsonl"
+
+    def train(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(tmp_path / "driver.py"), str(ckpt / "pretrain_gpt.py"),
+             "--num-layers", "2", "--chameleon-metrics-file", str(metrics), *flags],
+            env={**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port()), "OUT": str(tmp_path)},
+            capture_output=True, text=True, timeout=60)
+
+    assert train().returncode == 0
+    refused = train()
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"--chameleon-metrics-file {metrics}: already holds a run" in refused.stderr
+    assert run_ids(metrics) == [1]
+    assert train("--chameleon-metrics-append").returncode == 0
+    assert run_ids(metrics) == [1, 2]
+    for run in (1, 2):
+        assert [(r["iteration"], r["run_id"]) for r in read_metrics(metrics, "iteration",
+                                                                     run=run)] == [
+            (1, run), (2, run), (3, run)]
+    assert read_metrics(metrics, "run")[0]["run_id"] == 2  # the last run by default

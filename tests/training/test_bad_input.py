@@ -72,6 +72,11 @@ def test_unknown_and_unsupported_megatron_flags():
     with pytest.raises(UserError,
                        match="--fp16 is a Megatron-LM flag that this trainer does not support"):
         parse_args(GOOD + ["--fp16"])
+    # Megatron's activation offloading would own swap's saved-tensor hooks: not offered
+    for flag in ("--cpu-offloading-num-layers", "--fine-grained-activation-offloading"):
+        with pytest.raises(UserError, match=f"{flag} is a Megatron-LM flag that this trainer "
+                                            "does not support"):
+            parse_args(GOOD + ["--chameleon-swap", flag, "1"])
     # No prefix matching: a truncated flag is not silently taken for a longer one.
     with pytest.raises(UserError, match="--num-lay"):
         parse_args(GOOD + ["--num-lay", "3"])
