@@ -32,7 +32,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
@@ -41,9 +40,8 @@ from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
-from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
-from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
+from chameleon_megatron.resilience.execution.runtime import PlanRuntime
 from chameleon_megatron.resilience.recovery import (
     memory_peak,
     overlap,
@@ -61,7 +59,8 @@ from chameleon_megatron.resilience.recovery.detector import (
 )
 from chameleon_megatron.resilience.recovery.errors import RecoveryFailed
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
-from chameleon_megatron.resilience.recovery.held import Held, NoState, resume_at, where_to_resume
+from chameleon_megatron.resilience.recovery.held import Held, NoState, exchange, resume_at
+from chameleon_megatron.resilience.recovery.rebuild import load_checkpoint, rebuild
 from chameleon_megatron.resilience.recovery.record import (
     PhaseClock,
     gather_peaks,
@@ -74,7 +73,6 @@ from chameleon_megatron.resilience.recovery.regroup import (
     DeclaredFailed,
     Membership,
     agree_membership,
-    join_world,
     recovery_group,
     wait_as_spare,
 )
@@ -90,7 +88,7 @@ from chameleon_megatron.resilience.store.announce import (
 )
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
-from chameleon_megatron.resilience.store.waits import barrier, wait_keys
+from chameleon_megatron.resilience.store.waits import barrier
 from chameleon_megatron.training.plugin import StepAction, TrainerHandle
 from chameleon_megatron.training.rng import rng_state
 
@@ -471,23 +469,10 @@ class RecoveryController:
     def _attempt(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
                  membership: Membership, clock: PhaseClock) -> bool:
         scope = self.job.scoped(f"gen/{membership.generation}")
-        run_state.publish(scope, self.me, held.run)
-        wanted = run_state.keys(membership.members)
-        if self.shards is not None:
-            shard_assembly.publish(scope, self.me, self.shards)
-            wanted += shard_assembly.keys(membership.members)
-        wait_keys(scope, wanted, timeout_s=timeouts.rendezvous_s,
-                  abandoned=self._abandoned, on_wait=self._keepalive)
-        states = run_state.read_all(scope, membership.members)
-        if self.shards is not None:  # at the step of the copies every holder can use
-            shards = shard_assembly.read(scope, membership.members)
-            states = shard_assembly.agreed_states(shards, states)
-        agreed = where_to_resume(states)
-        if self.shards is not None:
-            agreed = run_state.without(agreed,
-                                       shard_assembly.unassemblable(shards, agreed.iteration))
-            self._state_from = shard_assembly.sources(shards, agreed.iteration,
-                                                      self._completed)
+        res = exchange(scope, self.me, held, membership.members, self.shards, self._completed,
+                       timeout_s=timeouts.rendezvous_s, abandoned=self._abandoned,
+                       on_wait=self._keepalive)
+        agreed, self._state_from = res.agreed, res.state_from
         decision = self.decider.shared(trainer, self.standing(), scope, membership, agreed,
                                        timeout_s=timeouts.rendezvous_s,
                                        abandoned=self._abandoned, on_wait=self._keepalive)
@@ -499,7 +484,9 @@ class RecoveryController:
         if active:
             self._barrier(scope, "world", decision.active, timeouts.rendezvous_s)
             self._keepalive()
-            self._rebuild(trainer, membership, decision, timeouts)
+            self.runtime = rebuild(trainer, self.job, membership, decision, self.me,
+                                   backend=self.backend, timeout_s=timeouts.rendezvous_s,
+                                   keepalive=self._keepalive)
         else:
             groups.destroy()
         clock.mark("regroup")
@@ -507,11 +494,11 @@ class RecoveryController:
         moved = 0
         if decision.fallback is not None:
             if active:
-                self._load_checkpoint(trainer)
+                load_checkpoint(trainer)
         else:
             old = held.view
             if self.shards is not None:
-                old = shard_assembly.assemble(group, membership.members, self.me, shards,
+                old = shard_assembly.assemble(group, membership.members, self.me, res.shards,
                                               self.shards, agreed.iteration)
             sink = sink_view(*trainer.model_and_optimizer()) if active else NoState()
             overlap.adopt_local(old, sink, decision.transfers, self.me)
@@ -525,7 +512,7 @@ class RecoveryController:
             overlap.give_back()
             moved = group_sum(group, report.sent_bytes)
             if active:
-                resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
+                resume_at(trainer, agreed, res.states, decision.rng_donor.get(self.me))
         if active and self.shards is not None:  # copies of the new layout's shards
             self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
@@ -547,43 +534,6 @@ class RecoveryController:
         self.decider.request(trainer, self.standing())
 
     # ----------------------------------------------------------------------- the steps
-    def _rebuild(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
-                 timeouts: Timeouts) -> None:
-        rank, size = decision.active.index(self.me), len(decision.active)
-        join_world(self.job, membership, rank, size, backend=self.backend,
-                   timeout_s=timeouts.rendezvous_s)
-        hints = {}
-        if self.me in decision.swap_budgets:  # this stage swaps to fit device memory
-            hints["swap_budget_fraction"] = decision.swap_budgets[self.me]
-        if decision.mode == "megatron":
-            lay = decision.layout
-            groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
-            self._keepalive()
-            trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size, hints=hints)
-            self.runtime = None
-            return
-        self.runtime = runtime = build_runtime(
-            trainer.args, decision.plan, self.me, sync_groups=decision.sync_groups,
-            sync_rounds=decision.sync_rounds,
-            world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
-            timeout_s=timeouts.rendezvous_s)
-        self._keepalive()
-        trainer.use_engine(PlanEngine(runtime, trainer.device),
-                           rank=rank, world_size=size, hints=hints)
-
-    def _load_checkpoint(self, trainer: TrainerHandle) -> None:
-        path = trainer.args.save or trainer.args.load
-        try:
-            loaded = bool(path) and trainer.load(path)
-        except ConfigError as exc:  # a checkpoint of another model: no retry changes that
-            raise RecoveryFailed(f"the checkpoint fallback cannot load: {exc}") from None
-        if not loaded:
-            raise RecoveryFailed(f"some state has no surviving copy and there is no checkpoint "
-                                 f"to fall back to (--save/--load: {path!r})")
-        if trainer.rank == 0:
-            logger.warning("some state has no surviving copy: resumed from the checkpoint of "
-                           "iteration %d under %s", trainer.iteration, path)
-
     def _finish(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
                 clock: PhaseClock, moved: int, active: bool,
                 peaks: dict[str, Any]) -> None:
