@@ -59,7 +59,13 @@ from chameleon_megatron.resilience.recovery.detector import (
 )
 from chameleon_megatron.resilience.recovery.errors import RecoveryFailed
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
-from chameleon_megatron.resilience.recovery.held import Held, NoState, exchange, resume_at
+from chameleon_megatron.resilience.recovery.held import (
+    Held,
+    NoState,
+    Resumption,
+    exchange,
+    resume_at,
+)
 from chameleon_megatron.resilience.recovery.rebuild import load_checkpoint, rebuild
 from chameleon_megatron.resilience.recovery.record import (
     PhaseClock,
@@ -84,7 +90,9 @@ from chameleon_megatron.resilience.store.announce import (
     announce_abandon,
     failed_ranks,
     failure_count,
+    first_failed_at,
     read_failures,
+    wait_for_failure,
 )
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
@@ -393,7 +401,8 @@ class RecoveryController:
                                               timeout_s=timeouts.rendezvous_s,
                                               on_wait=self._keepalive)
                 if clock is None:
-                    clock = PhaseClock(self._failed_at(membership, abandoned))
+                    clock = PhaseClock(first_failed_at(
+                        self.job, membership.failed - self.known_failed, default=abandoned))
                     clock.mark("detect", abandoned)
                 self.members = membership.members
                 self._attempt_failures = failure_count(self.job)
@@ -406,7 +415,9 @@ class RecoveryController:
                 self.job.store.set(_retry_key(self.generation), str(self.me))
                 self._keepalive()
                 self.teardown.leave()  # its groups: the others' watchers abort them
-                if not self._new_failure_since(before, SLOW_PEER_WAIT_S):
+                # what made the attempt fail: waiting for its announcement keeps it out of
+                # the next attempt (which it would interrupt)
+                if not wait_for_failure(self.job, before, SLOW_PEER_WAIT_S, self._keepalive):
                     retries += 1
                     if retries > self.ft.recovery_retries:
                         raise RecoveryFailed(f"generation {self.generation}: recovery failed "
@@ -434,23 +445,6 @@ class RecoveryController:
         cannot be left once entered: nobody waits there for a member already gone."""
         barrier(scope, name, self.me, members, timeout_s=seconds, abandoned=self._abandoned,
                 on_wait=self._keepalive)
-
-    def _failed_at(self, membership: Membership, abandoned: float) -> float:
-        new = membership.failed - self.known_failed
-        times = [f.failed_at for f in read_failures(self.job) if f.rank in new]
-        return min(times, default=abandoned)
-
-    def _new_failure_since(self, count: int, timeout_s: float) -> bool:
-        """Whether a failure beyond the first ``count`` is (or gets, within ``timeout_s``)
-        announced: what made the attempt fail. Waiting for it keeps its announcement out
-        of the next attempt (which it would interrupt)."""
-        deadline = time.monotonic() + timeout_s
-        while failure_count(self.job) <= count:
-            if time.monotonic() > deadline:
-                return False
-            self._keepalive()
-            time.sleep(0.05)
-        return True
 
     def _alive(self) -> list[int]:
         return sorted(set(self.members) - failed_ranks(self.job))
@@ -491,28 +485,7 @@ class RecoveryController:
             groups.destroy()
         clock.mark("regroup")
         self.injector.check(agreed.iteration + 1, "recovery")
-        moved = 0
-        if decision.fallback is not None:
-            if active:
-                load_checkpoint(trainer)
-        else:
-            old = held.view
-            if self.shards is not None:
-                old = shard_assembly.assemble(group, membership.members, self.me, res.shards,
-                                              self.shards, agreed.iteration)
-            sink = sink_view(*trainer.model_and_optimizer()) if active else NoState()
-            overlap.adopt_local(old, sink, decision.transfers, self.me)
-            report = migrate(group, membership.members, self.me, decision.transfers,
-                             old=old, new=sink, timeout_s=timeouts.rendezvous_s,
-                             store=self.job.scoped(f"gen/{membership.generation}/migrate"),
-                             abandoned=self._abandoned)
-            if active:
-                sink.commit()
-            old = sink = None  # the assembled units: freed before new shard copies are made
-            overlap.give_back()
-            moved = group_sum(group, report.sent_bytes)
-            if active:
-                resume_at(trainer, agreed, res.states, decision.rng_donor.get(self.me))
+        moved = self._move_state(trainer, group, membership, held, res, decision, timeouts)
         if active and self.shards is not None:  # copies of the new layout's shards
             self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
@@ -520,6 +493,35 @@ class RecoveryController:
                              memory_peak.take())
         self._finish(trainer, membership, decision, clock, moved, active, peaks)
         return active
+
+    def _move_state(self, trainer: TrainerHandle, group: Any, membership: Membership,
+                    held: Held, res: Resumption, decision: RecoveryDecision,
+                    timeouts: Timeouts) -> int:
+        """The new layout's state: from the surviving copies (the bytes moved, summed over
+        the group) or, as the fallback, from the checkpoint (0)."""
+        active = self.me in decision.active
+        if decision.fallback is not None:
+            if active:
+                load_checkpoint(trainer)
+            return 0
+        old = held.view
+        if self.shards is not None:
+            old = shard_assembly.assemble(group, membership.members, self.me, res.shards,
+                                          self.shards, res.agreed.iteration)
+        sink = sink_view(*trainer.model_and_optimizer()) if active else NoState()
+        overlap.adopt_local(old, sink, decision.transfers, self.me)
+        report = migrate(group, membership.members, self.me, decision.transfers,
+                         old=old, new=sink, timeout_s=timeouts.rendezvous_s,
+                         store=self.job.scoped(f"gen/{membership.generation}/migrate"),
+                         abandoned=self._abandoned)
+        if active:
+            sink.commit()
+        old = sink = None  # the assembled units: freed before new shard copies are made
+        overlap.give_back()
+        moved = group_sum(group, report.sent_bytes)
+        if active:
+            resume_at(trainer, res.agreed, res.states, decision.rng_donor.get(self.me))
+        return moved
 
     def standing(self) -> Standing:
         """What the leader's decisions are computed from, of this controller's state."""
