@@ -18,13 +18,13 @@ Survivors without a slot wait as spares and join the next generation (or stop at
 the job). When some state has no surviving copy, the new layout loads the last checkpoint
 instead. A failure during any of this fails the attempt on every member; they retry under the
 next generation from the state they held at the failure. The recovery's side effects (groups,
-rebuild, transfers) happen here and nowhere else.
+rebuild, transfers) are driven from here and nowhere else: the leader's decision is
+``deciding``'s, the run states' exchange ``held``'s, the new layout's build ``rebuild``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Sequence
@@ -79,10 +79,11 @@ from chameleon_megatron.resilience.recovery.regroup import (
     DeclaredFailed,
     Membership,
     agree_membership,
+    expect,
+    expected_window,
     recovery_group,
     wait_as_spare,
 )
-from chameleon_megatron.resilience.recovery.run_state import Agreed
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.recovery.transfer import migrate
 from chameleon_megatron.resilience.store.announce import (
@@ -301,7 +302,7 @@ class RecoveryController:
         # Rank 0 decides for the world: the queue changes while the ranks read it.
         lead = trainer.rank == 0
         replan = lead and record is not None and self.reroute is not None \
-            and self._replan_now_wins(trainer)
+            and self.decider.replan_wins(trainer, self.standing(), self.generation)
         invited = self.joiners.take(self.joiners.waiting()) if lead else ()
         if invited:
             self.joiners.offer(self.generation, invited)
@@ -327,26 +328,11 @@ class RecoveryController:
         action = self._serve(trainer, held, time.time(), self.detector.timeouts)
         return "stop" if action == "stop" else None
 
-    def _replan_now_wins(self, trainer: TrainerHandle) -> bool:
-        """The decision center, with the step times measured since the rerouting, for the
-        same survivors: does it now choose the re-plan?"""
-        members = [r for r in self.members if r not in self.reroute.failed_ranks]
-        idle = set(self.reroute.stopped_ranks)  # TP partners of dead ranks: spares now
-        agreed = Agreed(iteration=trainer.iteration, consumed_samples=0, scheduler={},
-                        fresh=tuple(r for r in members if r not in idle),
-                        stale=tuple(r for r in members if r in idle))
-        data = self.decider.decide(trainer, self.standing(),
-                                   Membership(self.generation, tuple(members), frozenset()),
-                                   agreed)
-        return data.get("mode") not in (None, "reroute")
-
     def _invite(self, invited: tuple[int, ...]) -> None:
         """Tell the next generation to wait for ``invited`` too, and them which it is."""
-        scope = self.job.scoped(f"gen/{self.generation + 1}")
-        scope.set("expected", json.dumps(sorted(set(self.members) | set(invited))))
         # the joiners wait as long as the members will (not their start-up windows)
-        window = windows(self.detector.timeouts, self.longest_recovery_s).rendezvous_s
-        scope.set("window_s", str(window))
+        expect(self.job, self.generation + 1, set(self.members) | set(invited),
+               window_s=windows(self.detector.timeouts, self.longest_recovery_s).rendezvous_s)
         for rank in invited:
             self.joiners.admit(rank, self.generation + 1)
         self._invited = invited
@@ -360,8 +346,8 @@ class RecoveryController:
         self.generation = generation - 1
         self.members = (self.me,)  # the generation's "expected" names the others
         self._cause, self._invited = "join", (self.me,)
-        window = float(self.job.scoped(f"gen/{generation}").get("window_s"))
-        timeouts = dataclasses.replace(self.detector.timeouts, rendezvous_s=window)
+        timeouts = dataclasses.replace(self.detector.timeouts,
+                                       rendezvous_s=expected_window(self.job, generation))
         return self._serve(trainer, Held.nothing(), time.time(), timeouts)
 
     def metrics(self) -> dict[str, Any]:

@@ -133,6 +133,18 @@ class Decider:
                       plans=basis.plans, candidates=cands), \
             "fresh" if cands is None else "cache"
 
+    def replan_wins(self, trainer: TrainerHandle, standing: Standing, generation: int) -> bool:
+        """Between steps while rerouting: the decision center, with the step times measured
+        since the rerouting, for the same survivors: does it now choose the re-plan?"""
+        members = [r for r in standing.members if r not in standing.reroute.failed_ranks]
+        idle = set(standing.reroute.stopped_ranks)  # TP partners of dead ranks: spares now
+        agreed = Agreed(iteration=trainer.iteration, consumed_samples=0, scheduler={},
+                        fresh=tuple(r for r in members if r not in idle),
+                        stale=tuple(r for r in members if r in idle))
+        data = self.decide(trainer, standing,
+                           Membership(generation, tuple(members), frozenset()), agreed)
+        return data.get("mode") not in (None, "reroute")
+
     def basis(self, trainer: TrainerHandle, standing: Standing) -> DecisionBasis:
         """What a decision made now is computed from (cheap: no profile is derived)."""
         user = self.ft.profile is not None  # a user profile is not calibrated
