@@ -82,6 +82,7 @@ from chameleon_megatron.resilience.recovery.regroup import (
     expect,
     expected_window,
     recovery_group,
+    retry_key,
     wait_as_spare,
 )
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
@@ -379,7 +380,7 @@ class RecoveryController:
             self._window_s = timeouts.rendezvous_s
             self.generation += 1
             # the new generation's groups: only later events, or this attempt's retry
-            self.watcher.acknowledge(_retry_key(self.generation))
+            self.watcher.acknowledge(retry_key(self.generation))
             before = failure_count(self.job)
             try:
                 self._say_wait("join", timeouts.rendezvous_s)
@@ -398,7 +399,7 @@ class RecoveryController:
             except Exception as exc:  # noqa: BLE001 - any failed attempt is retried (bounded)
                 # Every member still in this attempt leaves it, and all meet again under the
                 # next generation with longer windows (a slow peer is not a failed one).
-                self.job.store.set(_retry_key(self.generation), str(self.me))
+                self.job.store.set(retry_key(self.generation), str(self.me))
                 self._keepalive()
                 self.teardown.leave()  # its groups: the others' watchers abort them
                 # what made the attempt fail: waiting for its announcement keeps it out of
@@ -423,7 +424,7 @@ class RecoveryController:
     def _abandoned(self) -> bool:
         """Whether the current attempt is over for everyone: a member asked for a retry,
         or a rank failed since the membership was agreed."""
-        return self.job.store.check([_retry_key(self.generation)]) or \
+        return self.job.store.check([retry_key(self.generation)]) or \
             failure_count(self.job) > self._attempt_failures
 
     def _barrier(self, scope: Any, name: str, members: Sequence[int], seconds: float) -> None:
@@ -555,8 +556,3 @@ class RecoveryController:
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
-
-
-def _retry_key(generation: int) -> str:
-    """Set by a member whose attempt under ``generation`` failed (``AbortWatcher``)."""
-    return f"gen/{generation}/retry"

@@ -45,6 +45,12 @@ class DeclaredFailed(RuntimeError):
     retry."""
 
 
+def retry_key(generation: int) -> str:
+    """Set by a member whose attempt under ``generation`` failed: every member leaves the
+    attempt (``AbortWatcher``) and all meet again under the next generation."""
+    return f"gen/{generation}/retry"
+
+
 def expect(job: JobStore, generation: int, ranks: Iterable[int], *, window_s: float) -> None:
     """Before ``generation`` opens: its members wait for ``ranks`` (invited new members
     among them), and the invited wait ``window_s`` (``expected_window``)."""
