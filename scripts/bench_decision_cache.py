@@ -1,6 +1,6 @@
 """The leader's decision at a failure, fresh against precomputed (the decision cache), on
 8-rank layouts of the tests' tiny model with the derived profile (calibrated to a measured
-step time), in one process: the controller's ``_decide`` for every single failure the
+step time), in one process: the controller's ``Decider.decide`` for every single failure the
 leader decides, without and with a cache built beforehand (its build time too).
 
     .venv/bin/python scripts/bench_decision_cache.py [--repeat 5]
@@ -53,7 +53,8 @@ def decide_all(c: RecoveryController, trainer, world: int) -> list[tuple[float, 
         alive = tuple(r for r in range(world) if r != dead)
         agreed = Agreed(iteration=12, consumed_samples=192, scheduler={}, fresh=alive, stale=())
         start = time.perf_counter()
-        rec = c._decide(trainer, Membership(2, alive, frozenset([dead])), agreed)["record"]
+        rec = c.decider.decide(trainer, c.standing(), Membership(2, alive, frozenset([dead])),
+                               agreed)["record"]
         out.append((time.perf_counter() - start, rec["decision_from"]))
     return out
 
@@ -83,9 +84,9 @@ def work_beside_a_build(layout: UniformLayout, rounds: int = 5) -> dict[str, flo
         times["alone"] += [torch_work() for _ in range(5)]
         for name, ratio in (("paced", 1.0), ("unpaced", 0.0)):
             c, trainer = controller(layout)
-            c.precompute = Precomputer("decision-cache", yield_ratio=ratio)
+            c.decider.precompute = Precomputer("decision-cache", yield_ratio=ratio)
             c.precompute_decisions(trainer)
-            while c.precompute.ready() is None:
+            while c.decider.precompute.ready() is None:
                 times[name].append(torch_work())
             c.close(finished=False)
     return {k: statistics.median(v) for k, v in times.items() if v}
@@ -102,7 +103,7 @@ def main() -> None:
             fresh += decide_all(c, trainer, layout.world_size)
             start = time.perf_counter()
             c.precompute_decisions(trainer)
-            while c.precompute.ready() is None:
+            while c.decider.precompute.ready() is None:
                 time.sleep(0.001)
             builds.append(time.perf_counter() - start)
             cached += decide_all(c, trainer, layout.world_size)
@@ -117,7 +118,7 @@ def main() -> None:
               f"cache build (background) median {statistics.median(builds) * 1e3:.0f} ms")
     c, trainer = controller(UniformLayout(tp=1, pp=2, dp=4))
     c.precompute_decisions(trainer)
-    while c.precompute.ready() is None:
+    while c.decider.precompute.ready() is None:
         time.sleep(0.001)
     print(f"step-boundary check with the cache ready: {boundary_check_s(c, trainer) * 1e6:.0f} us")
     c.close(finished=False)

@@ -18,56 +18,37 @@ Survivors without a slot wait as spares and join the next generation (or stop at
 the job). When some state has no surviving copy, the new layout loads the last checkpoint
 instead. A failure during any of this fails the attempt on every member; they retry under the
 next generation from the state they held at the failure. The recovery's side effects (groups,
-rebuild, transfers) happen here and nowhere else.
+rebuild, transfers) are driven from here and nowhere else: the leader's decision is
+``deciding``'s, the run states' exchange ``held``'s, the new layout's build ``rebuild``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
-from chameleon_megatron.resilience.decision.center import (
-    DecisionCandidates,
-    RecoveryDecision,
-    decide,
-    keep_layout,
-    world_order,
-)
+from chameleon_megatron.resilience.decision.center import RecoveryDecision, world_order
 from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
-from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
-from chameleon_megatron.resilience.decision.placement import NoFreshCopy, plan_refusal
-from chameleon_megatron.resilience.decision.profile import Profile
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.dist_opt import sink_view
-from chameleon_megatron.resilience.execution.engine import PlanEngine
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
-from chameleon_megatron.resilience.execution.runtime import PlanRuntime, build_runtime
-from chameleon_megatron.resilience.launch.nodes import node_ranks
-from chameleon_megatron.resilience.model_state import ModelState
+from chameleon_megatron.resilience.execution.runtime import PlanRuntime
 from chameleon_megatron.resilience.recovery import (
     memory_peak,
     overlap,
     run_state,
     shard_assembly,
 )
-from chameleon_megatron.resilience.recovery.decision_cache import (
-    DecisionBasis,
-    cache_builder,
-    decision_profile,
-)
+from chameleon_megatron.resilience.recovery.deciding import Decider, Standing
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
@@ -76,18 +57,34 @@ from chameleon_megatron.resilience.recovery.detector import (
     widened,
     windows,
 )
+from chameleon_megatron.resilience.recovery.errors import RecoveryFailed
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
-from chameleon_megatron.resilience.recovery.precompute import Precomputer
-from chameleon_megatron.resilience.recovery.record import PhaseClock, recovery_record, summary
+from chameleon_megatron.resilience.recovery.held import (
+    Held,
+    NoState,
+    Resumption,
+    exchange,
+    resume_at,
+)
+from chameleon_megatron.resilience.recovery.rebuild import load_checkpoint, rebuild
+from chameleon_megatron.resilience.recovery.record import (
+    PhaseClock,
+    gather_peaks,
+    group_sum,
+    layout_after,
+    recovery_record,
+    summary,
+)
 from chameleon_megatron.resilience.recovery.regroup import (
     DeclaredFailed,
     Membership,
     agree_membership,
-    join_world,
+    expect,
+    expected_window,
     recovery_group,
+    retry_key,
     wait_as_spare,
 )
-from chameleon_megatron.resilience.recovery.run_state import Agreed, RunState
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.recovery.transfer import migrate
 from chameleon_megatron.resilience.store.announce import (
@@ -95,13 +92,15 @@ from chameleon_megatron.resilience.store.announce import (
     announce_abandon,
     failed_ranks,
     failure_count,
+    first_failed_at,
     read_failures,
+    wait_for_failure,
 )
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
-from chameleon_megatron.resilience.store.waits import barrier, wait_keys
+from chameleon_megatron.resilience.store.waits import barrier
 from chameleon_megatron.training.plugin import StepAction, TrainerHandle
-from chameleon_megatron.training.rng import rng_state, set_rng_state
+from chameleon_megatron.training.rng import rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -110,47 +109,6 @@ SLOW_PEER_WAIT_S = 2.0
 """After a timed-out operation or a failed recovery attempt: how long to wait for an
 announcement that explains it before taking it for slowness (the step is abandoned, the
 attempt retried)."""
-
-
-class RecoveryFailed(RuntimeError):
-    """The job cannot continue in memory or from a checkpoint (said on every member)."""
-
-
-class _NoState:
-    """The state view of a member holding no model (a spare)."""
-
-    def tensors(self, unit: Any, kind: str) -> dict[str, torch.Tensor]:
-        return {}
-
-
-@dataclass(frozen=True)
-class Held:
-    """What a member brings into a recovery: its run state and its old model state's
-    tensors, which stay alive (and unchanged) until the recovery has completed; the model
-    and optimizer around them do not (``overlap``)."""
-
-    run: RunState
-    view: Any
-
-    @classmethod
-    def of(cls, trainer: TrainerHandle, rng: dict[str, Any],
-           shards: ShardReplicas | None = None) -> Held:
-        """The trainer's state now; with a distributed optimizer, the run state of its last
-        shard copies (the units are assembled from the copies in the recovery)."""
-        if shards is not None:
-            if shards.run is None:
-                return cls.nothing()
-            run = shards.run
-            if run.iteration == trainer.iteration:  # the work after it is redone as usual
-                run = dataclasses.replace(run, after_step=trainer.after_step)
-            return cls(run, _NoState())
-        model, optimizer = trainer.model_and_optimizer()
-        return cls(run_state.of(trainer, rng),
-                   overlap.SourceTensors(ModelState(model, optimizer, role="source")))
-
-    @classmethod
-    def nothing(cls) -> Held:
-        return cls(RunState(iteration=-1, consumed_samples=0), _NoState())
 
 
 class RecoveryController:
@@ -175,8 +133,6 @@ class RecoveryController:
         self.ft = ft
         self.me = me
         self.backend = backend
-        self.swap_bandwidth_Bps = swap_bandwidth_Bps
-        self.plans_refused = plans_refused
         self.plan = plan
         """The plan trained now (rerouting: the kept plan, dead ranks included)."""
         self.reroute: ReroutePlan | None = None
@@ -195,7 +151,6 @@ class RecoveryController:
         """Whether a recovery's layout is being measured against its estimate."""
         self.generation = 0
         self.known_failed: frozenset[int] = frozenset()
-        self.started_at = time.time()
         self.estimated_step_s: float | None = None
         self.last_regroup_s: float | None = None
         self.longest_recovery_s = 0.0
@@ -216,10 +171,10 @@ class RecoveryController:
         """Where the recovery in progress takes the state from (for its record)."""
         self._steady_peaks: dict[str, int | None] = {}
         """This rank's memory peaks from the end of the last recovery to this one."""
-        self.precompute: Precomputer[DecisionBasis, Any] = Precomputer("decision-cache")
-        """Builds the decisions this rank would make for likely failures (a thread: started
-        by the first request, cancelled when a recovery starts, stopped by ``close``)."""
-        self._requested: DecisionBasis | None = None
+        self.decider = Decider(job=job, detector=detector, feedback=self.feedback, ft=ft, me=me,
+                               swap_bandwidth_Bps=swap_bandwidth_Bps,
+                               plans_refused=plans_refused)
+        """The decisions this rank makes as the leader (and precomputes between steps)."""
 
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
@@ -309,7 +264,7 @@ class RecoveryController:
         # down (peers blocked on this rank see them close instead of waiting out a gloo
         # timeout; the old model still holds its groups), then the groups destroyed.
         self._keepalive()
-        self._cancel_precompute()  # the recovery needs the processor
+        self.decider.cancel()  # the recovery needs the processor
         self.teardown.leave()
         self._completed = trainer.iteration
         held = Held.of(trainer, self.rng_for_redo(trainer.iteration), self.shards)
@@ -348,7 +303,7 @@ class RecoveryController:
         # Rank 0 decides for the world: the queue changes while the ranks read it.
         lead = trainer.rank == 0
         replan = lead and record is not None and self.reroute is not None \
-            and self._replan_now_wins(trainer)
+            and self.decider.replan_wins(trainer, self.standing(), self.generation)
         invited = self.joiners.take(self.joiners.waiting()) if lead else ()
         if invited:
             self.joiners.offer(self.generation, invited)
@@ -361,7 +316,7 @@ class RecoveryController:
         if not invited and not replan:
             self.precompute_decisions(trainer)
             return None
-        self._cancel_precompute()
+        self.decider.cancel()
         cause = "join" if invited else "replan"
         logger.info({"event": "transition", "cause": cause, "invited": list(invited),
                      "iteration": trainer.iteration})
@@ -374,25 +329,11 @@ class RecoveryController:
         action = self._serve(trainer, held, time.time(), self.detector.timeouts)
         return "stop" if action == "stop" else None
 
-    def _replan_now_wins(self, trainer: TrainerHandle) -> bool:
-        """The decision center, with the step times measured since the rerouting, for the
-        same survivors: does it now choose the re-plan?"""
-        members = [r for r in self.members if r not in self.reroute.failed_ranks]
-        idle = set(self.reroute.stopped_ranks)  # TP partners of dead ranks: spares now
-        agreed = Agreed(iteration=trainer.iteration, consumed_samples=0, scheduler={},
-                        fresh=tuple(r for r in members if r not in idle),
-                        stale=tuple(r for r in members if r in idle))
-        data = self._decide(trainer, Membership(self.generation, tuple(members), frozenset()),
-                            agreed)
-        return data.get("mode") not in (None, "reroute")
-
     def _invite(self, invited: tuple[int, ...]) -> None:
         """Tell the next generation to wait for ``invited`` too, and them which it is."""
-        scope = self.job.scoped(f"gen/{self.generation + 1}")
-        scope.set("expected", json.dumps(sorted(set(self.members) | set(invited))))
         # the joiners wait as long as the members will (not their start-up windows)
-        window = windows(self.detector.timeouts, self.longest_recovery_s).rendezvous_s
-        scope.set("window_s", str(window))
+        expect(self.job, self.generation + 1, set(self.members) | set(invited),
+               window_s=windows(self.detector.timeouts, self.longest_recovery_s).rendezvous_s)
         for rank in invited:
             self.joiners.admit(rank, self.generation + 1)
         self._invited = invited
@@ -406,8 +347,8 @@ class RecoveryController:
         self.generation = generation - 1
         self.members = (self.me,)  # the generation's "expected" names the others
         self._cause, self._invited = "join", (self.me,)
-        window = float(self.job.scoped(f"gen/{generation}").get("window_s"))
-        timeouts = dataclasses.replace(self.detector.timeouts, rendezvous_s=window)
+        timeouts = dataclasses.replace(self.detector.timeouts,
+                                       rendezvous_s=expected_window(self.job, generation))
         return self._serve(trainer, Held.nothing(), time.time(), timeouts)
 
     def metrics(self) -> dict[str, Any]:
@@ -424,7 +365,7 @@ class RecoveryController:
             self.job.mark_done()
         if self.watcher.running:
             self.watcher.stop()
-        self.precompute.stop()
+        self.decider.close()
 
     # ----------------------------------------------------------------------- attempts
     def _recover(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
@@ -439,7 +380,7 @@ class RecoveryController:
             self._window_s = timeouts.rendezvous_s
             self.generation += 1
             # the new generation's groups: only later events, or this attempt's retry
-            self.watcher.acknowledge(_retry_key(self.generation))
+            self.watcher.acknowledge(retry_key(self.generation))
             before = failure_count(self.job)
             try:
                 self._say_wait("join", timeouts.rendezvous_s)
@@ -447,7 +388,8 @@ class RecoveryController:
                                               timeout_s=timeouts.rendezvous_s,
                                               on_wait=self._keepalive)
                 if clock is None:
-                    clock = PhaseClock(self._failed_at(membership, abandoned))
+                    clock = PhaseClock(first_failed_at(
+                        self.job, membership.failed - self.known_failed, default=abandoned))
                     clock.mark("detect", abandoned)
                 self.members = membership.members
                 self._attempt_failures = failure_count(self.job)
@@ -457,10 +399,12 @@ class RecoveryController:
             except Exception as exc:  # noqa: BLE001 - any failed attempt is retried (bounded)
                 # Every member still in this attempt leaves it, and all meet again under the
                 # next generation with longer windows (a slow peer is not a failed one).
-                self.job.store.set(_retry_key(self.generation), str(self.me))
+                self.job.store.set(retry_key(self.generation), str(self.me))
                 self._keepalive()
                 self.teardown.leave()  # its groups: the others' watchers abort them
-                if not self._new_failure_since(before, SLOW_PEER_WAIT_S):
+                # what made the attempt fail: waiting for its announcement keeps it out of
+                # the next attempt (which it would interrupt)
+                if not wait_for_failure(self.job, before, SLOW_PEER_WAIT_S, self._keepalive):
                     retries += 1
                     if retries > self.ft.recovery_retries:
                         raise RecoveryFailed(f"generation {self.generation}: recovery failed "
@@ -480,7 +424,7 @@ class RecoveryController:
     def _abandoned(self) -> bool:
         """Whether the current attempt is over for everyone: a member asked for a retry,
         or a rank failed since the membership was agreed."""
-        return self.job.store.check([_retry_key(self.generation)]) or \
+        return self.job.store.check([retry_key(self.generation)]) or \
             failure_count(self.job) > self._attempt_failures
 
     def _barrier(self, scope: Any, name: str, members: Sequence[int], seconds: float) -> None:
@@ -488,23 +432,6 @@ class RecoveryController:
         cannot be left once entered: nobody waits there for a member already gone."""
         barrier(scope, name, self.me, members, timeout_s=seconds, abandoned=self._abandoned,
                 on_wait=self._keepalive)
-
-    def _failed_at(self, membership: Membership, abandoned: float) -> float:
-        new = membership.failed - self.known_failed
-        times = [f.failed_at for f in read_failures(self.job) if f.rank in new]
-        return min(times, default=abandoned)
-
-    def _new_failure_since(self, count: int, timeout_s: float) -> bool:
-        """Whether a failure beyond the first ``count`` is (or gets, within ``timeout_s``)
-        announced: what made the attempt fail. Waiting for it keeps its announcement out
-        of the next attempt (which it would interrupt)."""
-        deadline = time.monotonic() + timeout_s
-        while failure_count(self.job) <= count:
-            if time.monotonic() > deadline:
-                return False
-            self._keepalive()
-            time.sleep(0.05)
-        return True
 
     def _alive(self) -> list[int]:
         return sorted(set(self.members) - failed_ranks(self.job))
@@ -523,24 +450,13 @@ class RecoveryController:
     def _attempt(self, trainer: TrainerHandle, held: Held, timeouts: Timeouts,
                  membership: Membership, clock: PhaseClock) -> bool:
         scope = self.job.scoped(f"gen/{membership.generation}")
-        run_state.publish(scope, self.me, held.run)
-        wanted = run_state.keys(membership.members)
-        if self.shards is not None:
-            shard_assembly.publish(scope, self.me, self.shards)
-            wanted += shard_assembly.keys(membership.members)
-        wait_keys(scope, wanted, timeout_s=timeouts.rendezvous_s,
-                  abandoned=self._abandoned, on_wait=self._keepalive)
-        states = run_state.read_all(scope, membership.members)
-        if self.shards is not None:  # at the step of the copies every holder can use
-            shards = shard_assembly.read(scope, membership.members)
-            states = shard_assembly.agreed_states(shards, states)
-        agreed = _agree(states)
-        if self.shards is not None:
-            agreed = run_state.without(agreed,
-                                       shard_assembly.unassemblable(shards, agreed.iteration))
-            self._state_from = shard_assembly.sources(shards, agreed.iteration,
-                                                      self._completed)
-        decision = self._decision(trainer, scope, membership, agreed, timeouts)
+        res = exchange(scope, self.me, held, membership.members, self.shards, self._completed,
+                       timeout_s=timeouts.rendezvous_s, abandoned=self._abandoned,
+                       on_wait=self._keepalive)
+        agreed, self._state_from = res.agreed, res.state_from
+        decision = self.decider.shared(trainer, self.standing(), scope, membership, agreed,
+                                       timeout_s=timeouts.rendezvous_s,
+                                       abandoned=self._abandoned, on_wait=self._keepalive)
         clock.mark("decide")
         self._barrier(scope, "members", membership.members, timeouts.rendezvous_s)
         self._keepalive()
@@ -549,175 +465,64 @@ class RecoveryController:
         if active:
             self._barrier(scope, "world", decision.active, timeouts.rendezvous_s)
             self._keepalive()
-            self._rebuild(trainer, membership, decision, timeouts)
+            self.runtime = rebuild(trainer, self.job, membership, decision, self.me,
+                                   backend=self.backend, timeout_s=timeouts.rendezvous_s,
+                                   keepalive=self._keepalive)
         else:
             groups.destroy()
         clock.mark("regroup")
         self.injector.check(agreed.iteration + 1, "recovery")
-        moved = 0
-        if decision.fallback is not None:
-            if active:
-                self._load_checkpoint(trainer)
-        else:
-            old = held.view
-            if self.shards is not None:
-                old = shard_assembly.assemble(group, membership.members, self.me, shards,
-                                              self.shards, agreed.iteration)
-            sink = sink_view(*trainer.model_and_optimizer()) if active else _NoState()
-            overlap.adopt_local(old, sink, decision.transfers, self.me)
-            report = migrate(group, membership.members, self.me, decision.transfers,
-                             old=old, new=sink, timeout_s=timeouts.rendezvous_s,
-                             store=self.job.scoped(f"gen/{membership.generation}/migrate"),
-                             abandoned=self._abandoned)
-            if active:
-                sink.commit()
-            old = sink = None  # the assembled units: freed before new shard copies are made
-            overlap.give_back()
-            moved = _group_sum(group, report.sent_bytes)
-            if active:
-                _resume_at(trainer, agreed, states, decision.rng_donor.get(self.me))
+        moved = self._move_state(trainer, group, membership, held, res, decision, timeouts)
         if active and self.shards is not None:  # copies of the new layout's shards
             self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
-        peaks = _gather_peaks(group, membership.members, self.me, self._steady_peaks,
-                              memory_peak.take())
+        peaks = gather_peaks(group, membership.members, self.me, self._steady_peaks,
+                             memory_peak.take())
         self._finish(trainer, membership, decision, clock, moved, active, peaks)
         return active
 
-    # ----------------------------------------------------------------------- the steps
-    def _decision(self, trainer: TrainerHandle, scope: Any, membership: Membership,
-                  agreed: Agreed, timeouts: Timeouts) -> RecoveryDecision:
-        """The leader (the lowest fresh member: it trained the current layout up to now and
-        measured its step time) decides for everyone and publishes the decision."""
-        if self.me == (agreed.fresh or membership.members)[0]:
-            scope.set("decision", json.dumps(self._decide(trainer, membership, agreed)))
-        wait_keys(scope, ["decision"], timeout_s=timeouts.rendezvous_s,
-                  abandoned=self._abandoned, on_wait=self._keepalive)
-        data = json.loads(scope.get("decision"))
-        if "error" in data:
-            raise RecoveryFailed(f"generation {membership.generation}: {data['error']}")
-        return RecoveryDecision.from_dict(data)
+    def _move_state(self, trainer: TrainerHandle, group: Any, membership: Membership,
+                    held: Held, res: Resumption, decision: RecoveryDecision,
+                    timeouts: Timeouts) -> int:
+        """The new layout's state: from the surviving copies (the bytes moved, summed over
+        the group) or, as the fallback, from the checkpoint (0)."""
+        active = self.me in decision.active
+        if decision.fallback is not None:
+            if active:
+                load_checkpoint(trainer)
+            return 0
+        old = held.view
+        if self.shards is not None:
+            old = shard_assembly.assemble(group, membership.members, self.me, res.shards,
+                                          self.shards, res.agreed.iteration)
+        sink = sink_view(*trainer.model_and_optimizer()) if active else NoState()
+        overlap.adopt_local(old, sink, decision.transfers, self.me)
+        report = migrate(group, membership.members, self.me, decision.transfers,
+                         old=old, new=sink, timeout_s=timeouts.rendezvous_s,
+                         store=self.job.scoped(f"gen/{membership.generation}/migrate"),
+                         abandoned=self._abandoned)
+        if active:
+            sink.commit()
+        old = sink = None  # the assembled units: freed before new shard copies are made
+        overlap.give_back()
+        moved = group_sum(group, report.sent_bytes)
+        if active:
+            resume_at(trainer, res.agreed, res.states, decision.rng_donor.get(self.me))
+        return moved
 
-    def _decide(self, trainer: TrainerHandle, membership: Membership,
-                agreed: Agreed) -> dict[str, Any]:
-        start = time.perf_counter()
-        try:
-            basis = self._basis(trainer)
-            new_failures = membership.failed - self.known_failed
-            decision, source = None, "fresh"
-            if self._cause not in ("failure", "join", "replan") and not new_failures:
-                with contextlib.suppress(NoFreshCopy):  # then the center re-plans
-                    decision = keep_layout(self.plan, self.reroute, alive=membership.members,
-                                           stale=agreed.stale,
-                                           profile=self._profile(trainer, basis),
-                                           cause=self._cause)
-            if decision is None:
-                profile, cands = self._cached(basis, membership, agreed)
-                source = "fresh" if cands is None else "cache"
-                decision = decide(self.plan, alive=membership.members, stale=agreed.stale,
-                                  profile=profile or self._profile(trainer, basis),
-                                  d_s=self._expected_time_to_failure(),
-                                  strategy=self.ft.strategy, plans=basis.plans,
-                                  candidates=cands)
-        except ValueError as exc:  # NoRecoveryPlan, a profile that does not fit, ...
-            logger.error("no recovery plan: %s", exc)
-            return {"error": str(exc)}
-        out = decision.to_dict()
-        out["record"] = {**out["record"], "decision_from": source,
-                         "decision_s": time.perf_counter() - start}
-        return out
-
-    def _basis(self, trainer: TrainerHandle) -> DecisionBasis:
-        """What a decision made now is computed from (cheap: no profile is derived)."""
-        user = self.ft.profile is not None  # a user profile is not calibrated
-        return DecisionBasis(
-            plan=self.plan, reroute=self.reroute, members=tuple(sorted(self.members)),
-            stale=tuple(sorted(set(self.members) - set(self.active))),
-            plans=self.plans_refused or plan_refusal(trainer.args, self.plan),
-            step_time_s=None if user else self.detector.typical_step_time,
-            regroup_s=None if user else self.last_regroup_s,
-            history=() if user else tuple(self.feedback.observations()))
-
-    def _profile(self, trainer: TrainerHandle, basis: DecisionBasis) -> Profile:
-        return decision_profile(basis, trainer.args, path=self.ft.profile,
-                                device=trainer.device,
-                                swap_bandwidth_Bps=self.swap_bandwidth_Bps)
+    def standing(self) -> Standing:
+        """What the leader's decisions are computed from, of this controller's state."""
+        return Standing(plan=self.plan, reroute=self.reroute, members=self.members,
+                        active=self.active, regroup_s=self.last_regroup_s,
+                        known_failed=self.known_failed, cause=self._cause)
 
     def precompute_decisions(self, trainer: TrainerHandle) -> None:
         """At the start and between steps: have the background thread rebuild the decisions
         this rank would make for likely failures when what they are computed from has
         changed (a comparison; the work is the thread's)."""
-        basis = self._basis(trainer)
-        ready = self.precompute.ready()
-        if any(b is not None and b.serves(basis)
-               for b in (self._requested, ready and ready[0])):
-            return
-        self._requested = basis
-        job = self.job
-        self.precompute.request(basis, cache_builder(
-            basis, self.me, profile=lambda: self._profile(trainer, basis),
-            nodes=lambda: node_ranks(job)))
+        self.decider.request(trainer, self.standing())
 
-    def _cancel_precompute(self) -> None:
-        """Abandon the build in progress (what is ready stays): a recovery begins."""
-        self.precompute.cancel()
-        self._requested = None
-
-    def _cached(self, basis: DecisionBasis, membership: Membership,
-                agreed: Agreed) -> tuple[Profile | None, DecisionCandidates | None]:
-        """The profile and candidates precomputed for this failure, if any (both None: the
-        decision is computed fresh)."""
-        ready = self.precompute.ready()
-        if ready is None or not ready[0].serves(basis, same_members=False):
-            return None, None
-        cache = ready[1]
-        cands = cache.lookup(plan=self.plan, alive=membership.members, stale=agreed.stale,
-                             plans=basis.plans)
-        return (cache.inputs.profile, cands) if cands is not None else (None, None)
-
-    def _expected_time_to_failure(self) -> float:
-        """D of Eq. 8 from the prior MTBF and this job's failures (clock skew clamped)."""
-        now = time.time()
-        times = [min(max(f.failed_at, self.started_at), now) for f in read_failures(self.job)]
-        return MtbfEstimator(prior_s=self.ft.mtbf_prior_s).expected_s(times, now, self.started_at)
-
-    def _rebuild(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
-                 timeouts: Timeouts) -> None:
-        rank, size = decision.active.index(self.me), len(decision.active)
-        join_world(self.job, membership, rank, size, backend=self.backend,
-                   timeout_s=timeouts.rendezvous_s)
-        hints = {}
-        if self.me in decision.swap_budgets:  # this stage swaps to fit device memory
-            hints["swap_budget_fraction"] = decision.swap_budgets[self.me]
-        if decision.mode == "megatron":
-            lay = decision.layout
-            groups.build_uniform(lay.tp, lay.pp, timeout_s=timeouts.rendezvous_s)
-            self._keepalive()
-            trainer.rebuild(tp=lay.tp, pp=lay.pp, rank=rank, world_size=size, hints=hints)
-            self.runtime = None
-            return
-        self.runtime = runtime = build_runtime(
-            trainer.args, decision.plan, self.me, sync_groups=decision.sync_groups,
-            sync_rounds=decision.sync_rounds,
-            world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
-            timeout_s=timeouts.rendezvous_s)
-        self._keepalive()
-        trainer.use_engine(PlanEngine(runtime, trainer.device),
-                           rank=rank, world_size=size, hints=hints)
-
-    def _load_checkpoint(self, trainer: TrainerHandle) -> None:
-        path = trainer.args.save or trainer.args.load
-        try:
-            loaded = bool(path) and trainer.load(path)
-        except ConfigError as exc:  # a checkpoint of another model: no retry changes that
-            raise RecoveryFailed(f"the checkpoint fallback cannot load: {exc}") from None
-        if not loaded:
-            raise RecoveryFailed(f"some state has no surviving copy and there is no checkpoint "
-                                 f"to fall back to (--save/--load: {path!r})")
-        if trainer.rank == 0:
-            logger.warning("some state has no surviving copy: resumed from the checkpoint of "
-                           "iteration %d under %s", trainer.iteration, path)
-
+    # ----------------------------------------------------------------------- the steps
     def _finish(self, trainer: TrainerHandle, membership: Membership, decision: RecoveryDecision,
                 clock: PhaseClock, moved: int, active: bool,
                 peaks: dict[str, Any]) -> None:
@@ -741,7 +546,7 @@ class RecoveryController:
         groups.set_timeouts(self.detector.timeouts.pg_s)
         record = recovery_record(
             generation=membership.generation, failures=failures, decision=dict(decision.record),
-            phases=phases, layout_after=_layout_after(decision), spares=decision.spares,
+            phases=phases, layout_after=layout_after(decision), spares=decision.spares,
             redo_iteration=trainer.iteration + 1, migrated_bytes=moved,
             fallback=decision.fallback,
             cause="failure" if failures and self._cause not in ("join", "replan") else self._cause,
@@ -751,70 +556,3 @@ class RecoveryController:
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
-
-
-def _retry_key(generation: int) -> str:
-    """Set by a member whose attempt under ``generation`` failed (``AbortWatcher``)."""
-    return f"gen/{generation}/retry"
-
-
-def _layout_after(decision: RecoveryDecision) -> dict[str, Any]:
-    plan = decision.plan
-    out: dict[str, Any] = {"mode": decision.mode, "ranks": list(decision.active),
-                           "plan": plan.describe()}
-    if decision.mode == "megatron":
-        lay = decision.layout
-        out.update(tp=lay.tp, pp=lay.pp, dp=lay.dp)
-    else:
-        out["pipelines"] = [{"stages": [list(st.ranks) for st in p.stages],
-                             "layers": [len(st.layers) for st in p.stages],
-                             "microbatches": p.microbatches} for p in plan.pipelines]
-    if decision.reroute is not None:
-        out["rerouted"] = list(decision.reroute.failed_ranks)
-    return out
-
-
-def _agree(states: dict[int, RunState]) -> Agreed:
-    """Where training resumes; when only spares survived, nobody holds state (every unit
-    is lost: the decision falls back to the checkpoint)."""
-    if max(s.iteration for s in states.values()) >= 0:
-        return run_state.agree(states)
-    return Agreed(iteration=-1, consumed_samples=0, scheduler={}, fresh=(),
-                  stale=tuple(sorted(states)))
-
-
-def _resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunState],
-               donor: int | None) -> None:
-    """The run state of the newest completed step: position, LR schedule, RNG streams."""
-    trainer.resume_at(iteration=agreed.iteration, consumed_samples=agreed.consumed_samples,
-                      scheduler_state=agreed.scheduler, after_step=agreed.after_step)
-    if donor is not None:
-        set_rng_state(states[donor].rng)
-
-
-def _gather_peaks(group: Any, members: Sequence[int], me: int, steady: dict[str, int | None],
-                  recovery: dict[str, int | None]) -> dict[str, Any]:
-    """Every member's memory peaks, steady state and recovery, host and device (bytes; a
-    kind nobody measured is left out). Collective over the recovery group."""
-    kinds = [(where, window) for where in ("host", "device")
-             for window in ("steady", "recovery")]
-    mine = {"steady": steady, "recovery": recovery}
-    # One row per member, filled by its owner with peak + 1 (0: not measured): a sum.
-    table = torch.zeros((len(members), len(kinds)), dtype=torch.int64)
-    table[list(members).index(me)] = torch.tensor(
-        [(mine[w].get(k) or -1) + 1 for k, w in kinds], dtype=torch.int64)
-    group.allreduce([table]).wait()
-    table -= 1
-    out: dict[str, Any] = {"ranks": list(members)}
-    for j, (where, window) in enumerate(kinds):
-        column = [int(v) for v in table[:, j]]
-        if all(v >= 0 for v in column):
-            out.setdefault(where, {})[window] = column
-    return out
-
-
-def _group_sum(group: Any, value: int) -> int:
-    total = torch.tensor([value], dtype=torch.int64)
-    group.allreduce([total]).wait()
-    return int(total.item())
-

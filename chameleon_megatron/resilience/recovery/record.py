@@ -4,13 +4,19 @@ Phases, in order: detect (from the failure to this rank abandoning its step), de
 (rendezvous of survivors, run-state agreement, the decision center), regroup (new groups,
 model/optimizer rebuilt), migrate (state transfers confirmed); total is from the failure to
 the moment training resumes with the redone step.
+
+The figures every member contributes (memory peaks, bytes moved) are summed over the
+recovery group (``gather_peaks``, ``group_sum``: collectives).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
+import torch
+
+from chameleon_megatron.resilience.decision.center import RecoveryDecision
 from chameleon_megatron.resilience.store.announce import FailureRecord
 
 PHASES = ("detect", "decide", "regroup", "migrate")
@@ -87,3 +93,48 @@ def summary(record: dict[str, Any]) -> str:
             f"detect {p['detect']:.2f} s, decide {p['decide']:.2f} s, "
             f"regroup {p['regroup']:.2f} s, migrate {p['migrate']:.2f} s, "
             f"total {p['total']:.2f} s, {record['migrated_bytes'] / 2**20:.1f} MiB moved")
+
+
+def layout_after(decision: RecoveryDecision) -> dict[str, Any]:
+    """The record's ``layout_after``: the layout the recovery leaves the job in."""
+    plan = decision.plan
+    out: dict[str, Any] = {"mode": decision.mode, "ranks": list(decision.active),
+                           "plan": plan.describe()}
+    if decision.mode == "megatron":
+        lay = decision.layout
+        out.update(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    else:
+        out["pipelines"] = [{"stages": [list(st.ranks) for st in p.stages],
+                             "layers": [len(st.layers) for st in p.stages],
+                             "microbatches": p.microbatches} for p in plan.pipelines]
+    if decision.reroute is not None:
+        out["rerouted"] = list(decision.reroute.failed_ranks)
+    return out
+
+
+def gather_peaks(group: Any, members: Sequence[int], me: int, steady: dict[str, int | None],
+                 recovery: dict[str, int | None]) -> dict[str, Any]:
+    """Every member's memory peaks, steady state and recovery, host and device (bytes; a
+    kind nobody measured is left out). Collective over the recovery group."""
+    kinds = [(where, window) for where in ("host", "device")
+             for window in ("steady", "recovery")]
+    mine = {"steady": steady, "recovery": recovery}
+    # One row per member, filled by its owner with peak + 1 (0: not measured): a sum.
+    table = torch.zeros((len(members), len(kinds)), dtype=torch.int64)
+    table[list(members).index(me)] = torch.tensor(
+        [(mine[w].get(k) or -1) + 1 for k, w in kinds], dtype=torch.int64)
+    group.allreduce([table]).wait()
+    table -= 1
+    out: dict[str, Any] = {"ranks": list(members)}
+    for j, (where, window) in enumerate(kinds):
+        column = [int(v) for v in table[:, j]]
+        if all(v >= 0 for v in column):
+            out.setdefault(where, {})[window] = column
+    return out
+
+
+def group_sum(group: Any, value: int) -> int:
+    """``value`` summed over the recovery group (a collective)."""
+    total = torch.tensor([value], dtype=torch.int64)
+    group.allreduce([total]).wait()
+    return int(total.item())

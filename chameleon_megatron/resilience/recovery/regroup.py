@@ -45,6 +45,25 @@ class DeclaredFailed(RuntimeError):
     retry."""
 
 
+def retry_key(generation: int) -> str:
+    """Set by a member whose attempt under ``generation`` failed: every member leaves the
+    attempt (``AbortWatcher``) and all meet again under the next generation."""
+    return f"gen/{generation}/retry"
+
+
+def expect(job: JobStore, generation: int, ranks: Iterable[int], *, window_s: float) -> None:
+    """Before ``generation`` opens: its members wait for ``ranks`` (invited new members
+    among them), and the invited wait ``window_s`` (``expected_window``)."""
+    scope = job.scoped(f"gen/{generation}")
+    scope.set("expected", json.dumps(sorted(set(ranks))))
+    scope.set("window_s", str(window_s))
+
+
+def expected_window(job: JobStore, generation: int) -> float:
+    """How long a member invited into ``generation`` waits in its rendezvous."""
+    return float(job.scoped(f"gen/{generation}").get("window_s"))
+
+
 def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable[int], *,
                      timeout_s: float, on_wait: Callable[[], None] = lambda: None,
                      poll_s: float = 0.05) -> Membership:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Callable, Iterable, Literal
 
 from chameleon_megatron.resilience.store.job_store import JobStore
 
@@ -82,6 +83,25 @@ def read_failures(job: JobStore, start: int = 0, wait_s: float = 10.0) -> list[F
 
 def failed_ranks(job: JobStore) -> frozenset[int]:
     return frozenset(r.rank for r in read_failures(job))
+
+
+def first_failed_at(job: JobStore, ranks: Iterable[int], default: float) -> float:
+    """When the first of ``ranks`` failed (``default``: none of them is announced)."""
+    ranks = set(ranks)
+    return min((f.failed_at for f in read_failures(job) if f.rank in ranks), default=default)
+
+
+def wait_for_failure(job: JobStore, count: int, timeout_s: float,
+                     on_wait: Callable[[], None]) -> bool:
+    """Whether a failure beyond the first ``count`` is (or gets, within ``timeout_s``)
+    announced; ``on_wait`` is called between polls."""
+    deadline = time.monotonic() + timeout_s
+    while failure_count(job) <= count:
+        if time.monotonic() > deadline:
+            return False
+        on_wait()
+        time.sleep(0.05)
+    return True
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ ARGS = argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4, s
 TRAINER = SimpleNamespace(args=ARGS, device=torch.device("cpu"))
 
 
-def controller(step_s: float = 0.5, plan=PP2_DP4) -> RecoveryController:
+def controller(step_s: float = 0.5, plan=PP2_DP4, me: int = 0) -> RecoveryController:
     job = JobStore(dist.HashStore(), "run")
     ft = ResilienceConfig(timing_steps=1)
     c = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
-                           injector=FaultInjector(0), ft=ft, me=0, plan=plan, backend="gloo")
-    c._expected_time_to_failure = lambda: 1000.0  # D depends on the clock; fixed here
+                           injector=FaultInjector(0), ft=ft, me=me, plan=plan, backend="gloo")
+    c.decider.expected_time_to_failure = lambda: 1000.0  # D depends on the clock; fixed here
     steps(c, step_s, 2)
     return c
 
@@ -48,19 +48,21 @@ def steps(c: RecoveryController, seconds: float, n: int) -> None:
 
 def ready(c: RecoveryController, timeout_s: float = 60.0):
     deadline = time.monotonic() + timeout_s
-    while c.precompute.ready() is None or not c.precompute.ready()[0].serves(c._basis(TRAINER)):
+    pre = c.decider.precompute
+    while pre.ready() is None or not pre.ready()[0].serves(c.decider.basis(TRAINER, c.standing())):
         assert time.monotonic() < deadline, "the cache was not built in time"
         time.sleep(0.01)
-    return c.precompute.ready()[1]
+    return pre.ready()[1]
 
 
 def decision(c: RecoveryController, dead: set[int], stale: tuple[int, ...] = ()) -> dict:
     alive = tuple(r for r in range(8) if r not in dead)
     members, c.members = c.members, alive  # as in a recovery: the survivors decide
     try:
-        return c._decide(TRAINER, Membership(2, alive, frozenset(dead)),
-                         Agreed(iteration=3, consumed_samples=48, scheduler={},
-                                fresh=tuple(r for r in alive if r not in stale), stale=stale))
+        return c.decider.decide(TRAINER, c.standing(), Membership(2, alive, frozenset(dead)),
+                                Agreed(iteration=3, consumed_samples=48, scheduler={},
+                                       fresh=tuple(r for r in alive if r not in stale),
+                                       stale=stale))
     finally:
         c.members = members
 
@@ -83,7 +85,7 @@ def test_every_single_failure_the_leader_decides_comes_from_the_cache_and_equals
         assert fresh["record"]["decision_from"] == "fresh"
         assert without_source(served) == without_source(fresh), dead
     c.close(finished=False)
-    assert not c.precompute.running
+    assert not c.decider.precompute.running
 
 
 def test_node_failures_are_precomputed_from_the_agents_beats() -> None:
@@ -101,8 +103,7 @@ def test_node_failures_are_precomputed_from_the_agents_beats() -> None:
 
 
 def test_a_rank_that_decides_no_likely_failure_derives_no_profile() -> None:
-    c = controller()
-    c.me = 2  # ranks 0 and 1 decide every single failure
+    c = controller(me=2)  # ranks 0 and 1 decide every single failure
     c.precompute_decisions(TRAINER)
     cache = ready(c)
     assert cache.inputs is None and cache.entries == {}
@@ -145,19 +146,19 @@ def test_a_build_in_progress_does_not_hold_up_a_decision_and_the_recovery_stops_
         seen_cancel.set()
         return None
 
-    c._requested = c._basis(TRAINER)
-    c.precompute.request(c._requested, slow)
+    c.decider._requested = c.decider.basis(TRAINER, c.standing())
+    c.decider.precompute.request(c.decider._requested, slow)
     assert started.wait(10)
     t0 = time.monotonic()
     served = decision(c, {5})
     assert time.monotonic() - t0 < 10 and not seen_cancel.is_set()
     assert served["record"]["decision_from"] == "fresh"
     assert without_source(served) == without_source(decision(plain, {5}))
-    c._cancel_precompute()  # as a recovery starts
-    assert seen_cancel.wait(10) and c.precompute.ready() is None
-    assert c._requested is None  # the next step boundary asks again
+    c.decider.cancel()  # as a recovery starts
+    assert seen_cancel.wait(10) and c.decider.precompute.ready() is None
+    assert c.decider._requested is None  # the next step boundary asks again
     c.close(finished=False)
-    assert not c.precompute.running
+    assert not c.decider.precompute.running
 
 
 def test_the_latest_request_wins_and_a_failed_build_keeps_the_thread() -> None:
