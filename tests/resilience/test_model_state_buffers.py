@@ -4,14 +4,18 @@ parameters, is written in place, and moving it is what makes the next steps the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from chameleon_megatron.config import build_config
+from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.megatron.platform import CpuPlatform
 from chameleon_megatron.megatron.te_absent import TeAbsentPatch
 from chameleon_megatron.resilience.model_state import ModelState, unit_buffers, unwrap
+from chameleon_megatron.resilience.recovery.plugin import check_recoverable
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import DistEnv
 from chameleon_megatron.training.optim import build_scheduler
@@ -91,3 +95,15 @@ def test_expert_bias_moves_with_its_layer_in_place(trainer) -> None:
     reference = restore(buffers=True)
     assert restore(buffers=True) == reference  # bitwise: the same computation
     assert restore(buffers=False) != reference  # a zeroed bias routes otherwise
+
+
+def test_a_distributed_optimizer_with_buffers_is_refused_before_training(trainer) -> None:
+    """Its shard copies hold the optimizer's pieces only: the bias would come back zero."""
+    class DistributedOptimizer:  # megatron's, as ``dist_opt.is_distributed`` tells it
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.optimizer = inner
+
+    ctx = SimpleNamespace(vpp_size=1, args=trainer.args, model=trainer.model,
+                          extra={"optimizer": DistributedOptimizer(trainer.optimizer.optimizer)})
+    with pytest.raises(ConfigError, match=r"do not hold module buffers \(mlp.router.expert_bias\)"):
+        check_recoverable(ctx, SimpleNamespace(profile=None))
