@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from chameleon_megatron.megatron.platform import CpuPlatform
+from chameleon_megatron.megatron.te_absent import TeAbsentPatch
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,12 @@ def lm_cpu_platform(training: ModuleType, initialize: ModuleType) -> Iterator[bo
         yield False
         return
     platform = CpuPlatform()
+    te_absent = TeAbsentPatch()  # MoE routers read a name only TE defines
     saved: list[tuple[ModuleType, str, Any]] = []
     env: dict[str, str] = {}
     try:
         platform.apply()
+        te_absent.apply()
         _replace(training, "initialize_megatron",
                  lambda init: functools.partial(init, allow_no_cuda=True), saved)
         _replace(initialize, "_compile_dependencies", lambda _: _compile_dependencies_cpu, saved)
@@ -181,4 +184,5 @@ def lm_cpu_platform(training: ModuleType, initialize: ModuleType) -> Iterator[bo
             os.environ.pop(name, None)
         for module, name, value in reversed(saved):
             setattr(module, name, value)
+        te_absent.remove()
         platform.remove()

@@ -5,10 +5,11 @@ each parse (before ``validate_args`` fills in derived values, so a value here is
 
 Recovery (``--chameleon-ft``) rebuilds what ``groups.build_uniform`` builds: tensor, pipeline
 and virtual-pipeline parallelism, data parallelism being world / (TP x PP), every other
-megatron parallel degree at its default. It moves ``named_parameters`` and optimizer state
-between replicas, and falls back to Megatron-LM's own checkpoints of ``--save``, which it
-must be able to reshard to the new layout. Anything else is refused, as is state kept in
-module buffers that training changes (the MoE router's ``expert_bias``).
+megatron parallel degree at its default. It moves parameters, persistent module buffers (the
+MoE router's ``expert_bias``) and optimizer state between replicas, and falls back to
+Megatron-LM's own checkpoints of ``--save``, which it must be able to reshard to the new
+layout. Anything else is refused, as are module buffers with the distributed optimizer (its
+shard copies hold the optimizer's pieces only).
 
 Dest names are read with defaults, so that Megatron-LM releases without a flag pass.
 """
@@ -68,9 +69,11 @@ def _memory(margs: argparse.Namespace) -> Limits:
         (fsdp is None,
          f"--{(fsdp or '').replace('_', '-')}: FSDP shards parameters over the data-parallel "
          "group; recovery copies whole parameters from replicas"),
-        (not _get(margs, "moe_router_enable_expert_bias", False),
-         "--moe-router-enable-expert-bias: the router's expert_bias is a module buffer, and "
-         "recovery moves parameters and optimizer state only (it would restart at zero)"),
+        (not (_get(margs, "moe_router_enable_expert_bias", False)
+              and _get(margs, "use_distributed_optimizer", False)),
+         "--moe-router-enable-expert-bias with --use-distributed-optimizer: the router's "
+         "expert_bias is a module buffer, and the shard copies hold the optimizer's pieces "
+         "only (it would restart at zero)"),
         (not _get(margs, "fp16", False),
          "--fp16: the loss scaler's state (scale, growth tracker) is not migrated; use --bf16"),
         (not _get(margs, "optimizer_cpu_offload", False),

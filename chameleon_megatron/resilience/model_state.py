@@ -10,6 +10,11 @@ as ``optim_layout.Slot`` shows it whatever the optimizer's own layout (a fused A
 group step, scaled or bf16 moments); with mixed precision the fp32 main copy travels with
 the parameters as ``<param>/main``.
 
+Module buffers that are part of the model's state (persistent: in its ``state_dict``, such as
+the MoE router's ``expert_bias``, which training updates outside the optimizer) travel with
+the ``"params"`` kind under their path below the unit, and are written into the new model's
+buffers in place. Non-persistent buffers (per-step token counts, RoPE caches) are rebuilt.
+
 Tied embeddings: a model held by one stage has no output weight of its own (it reuses the
 embedding's). As a *source* such a model also offers the embedding weight (and its Adam
 state) under the output unit, so that a last stage of a deeper layout can be filled from it.
@@ -59,6 +64,26 @@ def unit_parameters(model: list[torch.nn.Module]) -> dict[StateUnit, dict[str, t
         for name, param in gpt.named_parameters():
             unit, local = _unit_of(gpt, name)
             units.setdefault(unit, {})[local] = param
+    return units
+
+
+def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, buffer) of each buffer of ``module`` that its ``state_dict`` holds."""
+    for path, sub in module.named_modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                yield (f"{path}.{name}" if path else name), buf
+
+
+def unit_buffers(model: list[torch.nn.Module]) -> dict[StateUnit, dict[str, torch.Tensor]]:
+    """unit -> name -> persistent buffer, over this rank's model chunks (see the module
+    docstring); names as parameters' are, below the unit."""
+    units: dict[StateUnit, dict[str, torch.Tensor]] = {}
+    for chunk in model:
+        gpt = unwrap(chunk)
+        for name, buf in _persistent_buffers(gpt):
+            unit, local = _unit_of(gpt, name)
+            units.setdefault(unit, {})[local] = buf
     return units
 
 
@@ -130,6 +155,7 @@ class ModelState:
     def __init__(self, model: list[torch.nn.Module], optimizer: Any, *,
                  role: Literal["source", "sink"]) -> None:
         self._units = unit_parameters(model)
+        self._buffers = unit_buffers(model)
         self._slots = optimizer_slots(optimizer)
         self._role = role
         self._staged: dict[int, dict[str, torch.Tensor]] = {}
@@ -139,7 +165,7 @@ class ModelState:
             self._units.setdefault(OUTPUT, {})[_OUTPUT_WEIGHT] = tied
 
     def units(self) -> tuple[StateUnit, ...]:
-        return tuple(self._units)
+        return tuple(self._units | self._buffers)
 
     def commit(self) -> None:
         """Store what was staged (the rest was written in place)."""
@@ -191,4 +217,6 @@ class ModelState:
             else:
                 for key, value in self._state(slot, id(param)).items():
                     out[f"{name}/{key}"] = value
+        if kind == "params":
+            out.update(self._buffers.get(unit, {}))
         return out

@@ -70,6 +70,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-score-function", default="softmax",
+                   choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing: a per-expert routing bias updated "
+                        "each step from the tokens each expert got (needs sigmoid scores)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
 
 
 def _training_args(p: argparse.ArgumentParser) -> None:

@@ -78,6 +78,9 @@ def transformer_config(args: argparse.Namespace, kernels: Kernels) -> Transforme
         moe_ffn_hidden_size=(args.moe_ffn_hidden_size or args.ffn_hidden_size)
         if args.num_experts else None,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

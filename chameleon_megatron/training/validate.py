@@ -24,6 +24,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "attention_dropout": (0, 1, True, True),
     "init_method_std": (0, None, False, False),
     "moe_aux_loss_coeff": (0, None, True, False),
+    "moe_router_bias_update_rate": (0, None, True, False),
     "lr": (0, None, True, False),
     "min_lr": (0, None, True, False),
     "lr_warmup_init": (0, None, True, False),
@@ -136,6 +137,11 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
               f"--num-experts={args.num_experts} with linear biases: the experts of "
               "megatron-core's local layers (no Transformer Engine on CUDA) fail in backward; "
               "give --disable-bias-linear")
+    if args.moe_router_enable_expert_bias:
+        _need(args.num_experts is not None, "--moe-router-enable-expert-bias needs --num-experts")
+        _need(args.moe_router_score_function == "sigmoid",
+              "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+              f"(got {args.moe_router_score_function}; megatron-core refuses the others)")
 
 
 def _check_batch(args: argparse.Namespace) -> None:

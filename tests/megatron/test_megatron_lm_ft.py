@@ -167,6 +167,26 @@ def test_an_sgd_job_recovers_with_its_momentum(checkout, tmp_path):
     assert done["migrated_bytes"] > 0
 
 
+def test_an_moe_job_recovers_its_router_expert_bias(checkout, tmp_path):
+    """PP2 x DP2, MoE with aux-loss-free load balancing (``--moe-router-enable-expert-bias``):
+    rank 1 dies in backward of step 3. The router's ``expert_bias``, a module buffer that
+    Megatron's ``finalize_model_grads`` updates each step, moves with its layer: every loss
+    within 1e-4 of Megatron-LM's failure-free run (a bias restarting at zero routes the
+    redone step otherwise)."""
+    job = [*JOB, "--num-experts", "4", "--disable-bias-linear", "--moe-router-score-function",
+           "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
+    records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+                        "--chameleon-inject-fault", "rank=1,iteration=3,phase=backward,kind=exit",
+                        job=job)
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == [r["iteration"] for r in plain]
+    for got, want in zip(steps, plain):
+        assert got["loss"] == pytest.approx(want["loss"], abs=TOLERANCE), got["iteration"]
+    (done,) = recoveries(records)
+    assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
+
+
 def test_a_distributed_optimizer_job_recovers_from_its_shard_copies(checkout, tmp_path):
     """PP2 x DP2 with ``--use-distributed-optimizer``: its Adam state is sharded over the two
     replicas, so rank 1's shard lives on only in the host copy its successor (rank 3) took

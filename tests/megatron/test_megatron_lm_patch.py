@@ -229,9 +229,8 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
     ({}, {"use_megatron_fsdp": True}, "--chameleon-ft: --use-megatron-fsdp: FSDP shards"),
     ({}, {"use_custom_fsdp": True}, "--chameleon-ft: --use-custom-fsdp: FSDP shards"),
     ({}, {"fp16": True}, "--chameleon-ft: --fp16: the loss scaler's state"),
-    ({}, {"moe_router_enable_expert_bias": True},
-     "--chameleon-ft: --moe-router-enable-expert-bias: the router's expert_bias is a module "
-     "buffer"),
+    ({}, {"moe_router_enable_expert_bias": True, "use_distributed_optimizer": True},
+     "--chameleon-ft: --moe-router-enable-expert-bias with --use-distributed-optimizer"),
     ({}, {"ckpt_format": "torch"}, "--chameleon-ft: --ckpt-format torch"),
     ({}, {"async_save": True}, "--chameleon-ft: --async-save"),
     ({}, {"non_persistent_ckpt_type": "local"},
@@ -251,6 +250,7 @@ def test_what_recovery_cannot_run_on_this_path_is_refused(monkeypatch, ft, margs
     {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
     {"ckpt_format": "torch_dist", "non_persistent_ckpt_type": "global",
      "num_distributed_optimizer_instances": 1, "context_parallel_size": 1},
+    {"moe_router_enable_expert_bias": True},  # the buffer moves with its layer
 ])
 def test_what_recovery_rebuilds_is_accepted(monkeypatch, margs):
     monkeypatch.setenv(AGENT_ENV, "1")

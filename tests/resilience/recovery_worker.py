@@ -53,7 +53,19 @@ def state_sums(ctx: Any) -> dict:
                 **{key: float(t.double().pow(2).sum()) for key, t in state.items()},
                 "step": None if step is None else float(step),
             }
+    sums.update(buffer_sums(model))
     return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "optimizer": inner, "sums": sums}
+
+
+def buffer_sums(model: list) -> dict:
+    """The model's persistent buffers (the MoE router's ``expert_bias``), entries as a
+    parameter's without optimizer state: the sum of squares and the plain sum."""
+    from chameleon_megatron.resilience.model_state import unit_buffers
+
+    return {f"{unit}|{name}": {"sharded": False, "step": None,
+                               "param": float(b.double().pow(2).sum()),
+                               "sum": float(b.double().sum())}
+            for unit, named in unit_buffers(model).items() for name, b in named.items()}
 
 
 def shard_sums(model: list, optimizer: Any) -> dict:

@@ -92,6 +92,10 @@ def plan_refusal(args: argparse.Namespace, plan: Plan) -> str | None:
         (plan.vpp == 1, f"vpp={plan.vpp}: plans execute plain 1F1B only"),
         (plan.num_layers == args.num_layers,
          f"plan has {plan.num_layers} layers, the model {args.num_layers}"),
+        # its gradient sync replaces megatron's finalize_model_grads, which updates the bias
+        (not getattr(args, "moe_router_enable_expert_bias", False),
+         "--moe-router-enable-expert-bias: the plan runtime does not update the router's "
+         "expert_bias"),
     ]
     return next((message for ok, message in limits if not ok), None)
 

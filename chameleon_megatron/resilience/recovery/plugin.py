@@ -31,7 +31,8 @@ from chameleon_megatron.resilience.decision.center import uniform_plan
 from chameleon_megatron.resilience.decision.layout import UniformLayout
 from chameleon_megatron.resilience.decision.profile import load_profile
 from chameleon_megatron.resilience.dist_opt import is_distributed
-from chameleon_megatron.resilience.model_state import ModelState, check_migratable, unit_parameters
+from chameleon_megatron.resilience.model_state import (
+    ModelState, check_migratable, unit_buffers, unit_parameters)
 from chameleon_megatron.resilience.recovery.controller import RecoveryController
 from chameleon_megatron.resilience.recovery.detector import (
     FailureDetector,
@@ -70,6 +71,11 @@ def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
     if is_distributed(optimizer):  # recovered from its shard copies
         check_migratable(optimizer)
         unit_parameters(ctx.model)
+        buffers = sorted({n for named in unit_buffers(ctx.model).values() for n in named})
+        if buffers:  # the shard copies hold the optimizer's pieces only
+            raise ConfigError("--chameleon-ft with --use-distributed-optimizer: the shard "
+                              f"copies do not hold module buffers ({', '.join(buffers)}); "
+                              "drop --use-distributed-optimizer")
     else:
         ModelState(ctx.model, optimizer, role="source")  # refuses the optimizer
     if ft.profile:

@@ -73,6 +73,8 @@ def test_the_runtime_refuses_what_it_does_not_execute() -> None:
     check_plan_runtime(_args(bf16=True, use_distributed_optimizer=True), HETERO)
     with pytest.raises(ValueError, match="plan has 4 layers, the model 8"):
         check_plan_runtime(_args(num_layers=8), HETERO)
+    with pytest.raises(ValueError, match="does not update the router's expert_bias"):
+        check_plan_runtime(_args(num_experts=4, moe_router_enable_expert_bias=True), HETERO)
     tp2 = UniformLayout(tp=2, pp=2, dp=1).to_plan(4, 2)
     check_plan_runtime(_args(bf16=True), tp2)
     check_plan_runtime(_args(num_experts=4, sequence_parallel=True), tp2)

@@ -27,6 +27,8 @@ from e2e_support import (  # noqa: E402
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
 
 MOE = ("--num-experts", "4", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01")
+MOE_BIAS = ("--num-experts", "4", "--disable-bias-linear", "--moe-router-score-function",
+            "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05")
 BF16_RTOL = 1e-3
 """Loss tolerance against the one-process bf16 run (a layout rounds bf16 partial sums
 elsewhere; ``tests/training/test_bf16.py`` measured at most 9e-5 between layouts)."""
@@ -65,6 +67,17 @@ def test_an_moe_job_recovers_in_memory(tmp_path: Path) -> None:
                                     rtol=1e-4)
     assert done["decision"]["mode"] == "megatron" and done["migrated_bytes"] > 0
     assert_same_state(combine([ref_dump]), combine(list(dumps.values())))
+
+
+def test_an_moe_job_recovers_its_expert_bias(tmp_path: Path) -> None:
+    """Aux-loss-free load balancing: the router's ``expert_bias`` is a module buffer that
+    megatron's ``finalize_model_grads`` updates each step from the global token counts; it
+    moves with its layer, so the redone and later steps route as the failure-free run."""
+    done, ref_dump, dumps = recover(tmp_path, MOE_BIAS, rtol=1e-4)
+    assert done["decision"]["mode"] == "megatron" and done["migrated_bytes"] > 0
+    biases = [k for k in ref_dump["sums"] if k.endswith("|mlp.router.expert_bias")]
+    assert len(biases) == 4 and any(ref_dump["sums"][k]["param"] > 0 for k in biases)
+    assert_every_copy_matches(ref_dump, dumps)  # every copy: weights, Adam state, biases
 
 
 def test_a_bf16_job_recovers_in_memory(tmp_path: Path) -> None:
