@@ -49,6 +49,10 @@ def _worker(rank: int, port: int, sync: bool, fail: bool, out: str) -> None:
     timeout = datetime.timedelta(seconds=10)  # a survivor's exchange may wait it out
     patience = datetime.timedelta(seconds=60)  # (then the others wait for that survivor)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=patience)
+    # everyone started (a loaded machine starts them seconds apart) before the group's
+    # short timeout applies
+    store.set(f"started/{rank}", "1")
+    store.wait([f"started/{r}" for r in range(WORLD)], patience)
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank,
                             world_size=WORLD, timeout=timeout)
     param = torch.zeros(4, 2)
@@ -97,7 +101,8 @@ def _worker(rank: int, port: int, sync: bool, fail: bool, out: str) -> None:
 
 def run(tmp_path: Path, *, sync: bool, fail: bool) -> dict[int, dict]:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")  # (the modules are imported already)
+    # spawn: a fork of this multi-threaded test process can deadlock in the child
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, server.port, sync, fail, str(tmp_path)))
              for r in range(WORLD)]
     for p in procs:
