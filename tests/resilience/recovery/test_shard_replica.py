@@ -110,6 +110,10 @@ def run(tmp_path: Path, *, sync: bool, fail: bool) -> dict[int, dict]:
     for p in procs:
         p.join(180)
     codes = [p.exitcode for p in procs]
+    for p in procs:  # a hung worker must not hold the test session at its exit
+        if p.is_alive():
+            p.kill()
+            p.join()
     assert codes == [EXIT if fail and r == 0 else 0 for r in range(WORLD)], codes
     return {r: torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)
             if (tmp_path / f"{r}.pt").exists()}
