@@ -25,7 +25,7 @@ from chameleon_megatron.resilience.recovery import shard_assembly as sa
 from chameleon_megatron.resilience.recovery import shard_replica
 from chameleon_megatron.resilience.recovery.run_state import RunState
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]  # (4 spawned processes)
 
 WORLD, STEPS, INTERVAL, FAIL_STEP, EXIT = 4, 6, 2, 4, 43
 
