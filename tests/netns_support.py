@@ -3,8 +3,8 @@
 Each host is a namespace with its own loopback and one veth link to a bridge in the root
 namespace, with its own address (10.<net>.0.<i+1>/24). ``Host.cut`` takes the host's link
 down on the bridge side (packets vanish, as when a cable or a switch port fails: no reset
-reaches either side), ``Host.restore`` brings it back, ``Host.netem`` shapes it with
-``tc netem``. Needs root and ``ip``; ``hosts`` skips the test otherwise.
+reaches either side), ``Host.restore`` brings it back. Needs root and ``ip``; ``hosts``
+skips the test otherwise.
 """
 
 from __future__ import annotations
@@ -48,13 +48,6 @@ class Host:
 
     def restore(self) -> None:
         _ip("link", "set", self.link, "up")
-
-    def netem(self, *spec: str) -> None:
-        """Shape the host's outgoing traffic (``tc netem`` arguments; none: clear it)."""
-        base = ["tc", "qdisc", "replace" if spec else "del", "dev", self.dev, "root"]
-        subprocess.run(["ip", "netns", "exec", self.ns, *base, *(["netem", *spec] if spec
-                                                                  else [])],
-                       check=True, capture_output=True, text=True)
 
 
 def available() -> str | None:
