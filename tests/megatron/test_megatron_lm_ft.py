@@ -126,22 +126,32 @@ def test_state_without_a_surviving_copy_comes_from_megatron_lms_checkpoint(
     assert "resumed from the checkpoint of iteration 2" in log
 
 
+def killed_against_plain(checkout, tmp_path, job: list[str], fault: str,
+                         **approx: float) -> tuple[list[dict], dict]:
+    """Megatron-LM's failure-free run of ``job`` on 4 ranks, then the same job with
+    ``--chameleon-ft`` and ``fault``: every step once, each loss ``pytest.approx`` the
+    failure-free one (``approx``: its tolerance). Returns the job's steps and its recovery."""
+    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
+    records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+                        "--chameleon-inject-fault", fault, job=job)
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == [r["iteration"] for r in plain]
+    for got, want in zip(steps, plain):
+        assert got["loss"] == pytest.approx(want["loss"], **approx), got["iteration"]
+    (done,) = recoveries(records)
+    return steps, done
+
+
 def test_a_bf16_tensor_parallel_job_recovers_with_the_failure_free_losses(checkout, tmp_path):
     """TP2 x DP2 in bf16 on 4 ranks (the GPU user's flags: nothing added for the CPU). Rank 3
     dies in backward of step 4: its TP group is broken, the intact one holds a whole replica
     and goes on as TP2 x DP1 with a spare. Against Megatron-LM's failure-free run of the same
     job: every step once, every loss within the bf16 tolerance (measured: bitwise equal)."""
     job = [*MODEL, "--tensor-model-parallel-size", "2", "--bf16"]
-    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
-    records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
-                        "--chameleon-inject-fault", "rank=3,iteration=4,phase=backward,kind=exit",
-                        job=job)
-    steps = iterations(records)
-    assert [r["iteration"] for r in steps] == [r["iteration"] for r in plain]
-    for got, want in zip(steps, plain):
-        assert got["loss"] == pytest.approx(want["loss"], rel=BF16_TOLERANCE), got["iteration"]
+    steps, done = killed_against_plain(checkout, tmp_path, job,
+                                       "rank=3,iteration=4,phase=backward,kind=exit",
+                                       rel=BF16_TOLERANCE)
     assert [r["layout"]["dp"] for r in steps] == [2, 2, 2, 1, 1, 1]
-    (done,) = recoveries(records)
     assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([3], None, 4)
     lay = done["layout_after"]
     assert (lay["tp"], lay["pp"], lay["dp"], lay["ranks"], done["spares"]) == (
@@ -154,15 +164,8 @@ def test_an_sgd_job_recovers_with_its_momentum(checkout, tmp_path):
     Against Megatron-LM's failure-free run of the same job: every step once, every loss
     within 1e-4 (a momentum buffer that did not move would change steps 4-6)."""
     job = [*JOB, "--optimizer", "sgd"]
-    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
-    records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
-                        "--chameleon-inject-fault", "rank=1,iteration=3,phase=backward,kind=exit",
-                        job=job)
-    steps = iterations(records)
-    assert [r["iteration"] for r in steps] == [r["iteration"] for r in plain]
-    for got, want in zip(steps, plain):
-        assert got["loss"] == pytest.approx(want["loss"], abs=TOLERANCE), got["iteration"]
-    (done,) = recoveries(records)
+    _, done = killed_against_plain(checkout, tmp_path, job,
+                                   "rank=1,iteration=3,phase=backward,kind=exit", abs=TOLERANCE)
     assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
     assert done["migrated_bytes"] > 0
 
@@ -170,20 +173,14 @@ def test_an_sgd_job_recovers_with_its_momentum(checkout, tmp_path):
 def test_an_moe_job_recovers_its_router_expert_bias(checkout, tmp_path):
     """PP2 x DP2, MoE with aux-loss-free load balancing (``--moe-router-enable-expert-bias``):
     rank 1 dies in backward of step 3. The router's ``expert_bias``, a module buffer that
-    Megatron's ``finalize_model_grads`` updates each step, moves with its layer: every loss
+    Megatron's ``finalize_model_grads`` updates each step, survives the recovery: every loss
     within 1e-4 of Megatron-LM's failure-free run (a bias restarting at zero routes the
-    redone step otherwise)."""
+    redone step otherwise). (This also passes with buffers left out of the migration: what
+    else keeps the bias on this path is not known yet.)"""
     job = [*JOB, "--num-experts", "4", "--disable-bias-linear", "--moe-router-score-function",
            "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
-    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
-    records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
-                        "--chameleon-inject-fault", "rank=1,iteration=3,phase=backward,kind=exit",
-                        job=job)
-    steps = iterations(records)
-    assert [r["iteration"] for r in steps] == [r["iteration"] for r in plain]
-    for got, want in zip(steps, plain):
-        assert got["loss"] == pytest.approx(want["loss"], abs=TOLERANCE), got["iteration"]
-    (done,) = recoveries(records)
+    _, done = killed_against_plain(checkout, tmp_path, job,
+                                   "rank=1,iteration=3,phase=backward,kind=exit", abs=TOLERANCE)
     assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
 
 
