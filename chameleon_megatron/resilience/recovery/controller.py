@@ -81,6 +81,7 @@ from chameleon_megatron.resilience.recovery.regroup import (
     agree_membership,
     expect,
     expected_window,
+    failed_before,
     recovery_group,
     retry_key,
     wait_as_spare,
@@ -346,6 +347,10 @@ class RecoveryController:
             return "stop"
         self.generation = generation - 1
         self.members = (self.me,)  # the generation's "expected" names the others
+        # Failures before the invitation are not this recovery's: counted as new, they
+        # would date it from the job's first failure and widen every later window of
+        # this rank alone (its peers would give up on it long before it gives up on them).
+        self.known_failed = failed_before(self.job, generation)
         self._cause, self._invited = "join", (self.me,)
         timeouts = dataclasses.replace(self.detector.timeouts,
                                        rendezvous_s=expected_window(self.job, generation))

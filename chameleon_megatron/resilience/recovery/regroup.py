@@ -64,6 +64,15 @@ def expected_window(job: JobStore, generation: int) -> float:
     return float(job.scoped(f"gen/{generation}").get("window_s"))
 
 
+def failed_before(job: JobStore, generation: int) -> frozenset[int]:
+    """The ranks known failed when ``generation`` opened (those its previous generation
+    agreed on): a member invited into it recovers from none of them."""
+    scope = job.scoped(f"gen/{generation - 1}")
+    if generation <= 1 or not scope.check(["members"]):
+        return frozenset()
+    return frozenset(json.loads(scope.get("members"))["failed"])
+
+
 def agree_membership(job: JobStore, generation: int, me: int, previous: Iterable[int], *,
                      timeout_s: float, on_wait: Callable[[], None] = lambda: None,
                      poll_s: float = 0.05) -> Membership:

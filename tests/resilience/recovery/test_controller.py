@@ -350,3 +350,23 @@ def test_a_joiner_offered_when_keeping_the_layout_scores_better_waits_as_a_spare
     assert all(t.src == t.dst for t in d.transfers) and "lost" not in d.record
     grown = decide(DP2_PP2, alive=[0, 1, 2, 3, 4], stale=[4], profile=REROUTE_WINS, d_s=1e6)
     assert grown.record["choice"] == "replan" and 4 in grown.active
+
+
+def test_a_joiner_knows_the_failures_before_its_invitation() -> None:
+    """Counted as its own, the job's first failure (minutes before it joined) would date a
+    joiner's recovery and widen its windows far past its peers' (a seed of the soak)."""
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig()
+    controller = RecoveryController(job=job, detector=FailureDetector(job, 9, ft),
+                                    injector=FaultInjector(9), ft=ft, me=9, plan=None,
+                                    backend="gloo")
+    job.scoped("gen/3").set("members", json.dumps({"members": [0, 1], "failed": [2, 7]}))
+    announce(job, FailureRecord(rank=2, time=time.time() - 300, reason="exit", exitcode=1))
+    announce(job, FailureRecord(rank=7, time=time.time() - 200, reason="exit", exitcode=1))
+    controller.joiners.admit(9, 4)
+    job.scoped("gen/4").set("window_s", "20")
+    served: list = []
+    controller._serve = lambda trainer, held, now, timeouts: served.append(
+        (controller.known_failed, timeouts.rendezvous_s))
+    controller.join(SimpleNamespace())
+    assert served == [(frozenset({2, 7}), 20.0)]

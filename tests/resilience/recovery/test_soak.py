@@ -60,7 +60,7 @@ PER_NODE = RANKS // NODES
 EVAL_EVERY, SAVE_EVERY = 10, 20
 FLAGS = ("--micro-batch-size", "1", "--global-batch-size", "16", "--eval-interval",
          str(EVAL_EVERY), "--eval-iters", "1")
-FOUND_BUGS = (384601, 12345)
+FOUND_BUGS = (384601, 12345, 611463)
 """Seeds that found a bug. 384601: after a hang and a failure during its recovery, members of
 one attempt stayed blocked in gloo's rendezvous of the new world (store waits, which the
 retry key did not interrupt) while others moved on; each then waited out a doubled window in
@@ -73,7 +73,13 @@ heartbeat hold shorter than their window, and were killed as hung. 12345 (4 node
 joining): rank 2 failed at the start of the evaluation after step 80; one member redid the
 evaluation after the recovery while the others went on to step 81, each waited out a group
 timeout, abandoned, and did the same again, forever. Members now agree on the work after the
-step to redo (``run_state.agree``)."""
+step to redo (``run_state.agree``). 611463 (CI, loaded machine; replayed here): after a hang
+at step 91, a retried recovery's windows were 40 s on the original members but 106-378 s on
+the ranks that had joined: a joiner counted every failure before its invitation as its own,
+so its first recovery dated from the job's first failure and tripled into its windows. The
+members suspected the joiners stuck in a rendezvous that outlived theirs, and the job
+stalled. A joiner now starts from the failures its inviting generation agreed on
+(``regroup.failed_before``)."""
 
 
 def schedule(seed: int) -> list[str]:
@@ -242,8 +248,10 @@ def _wait_for(done, agents: list, stall_s: float, what: str, tmp: Path) -> None:
         now = _progress(tmp)
         if now != seen:
             seen, deadline = now, time.monotonic() + stall_s
-        assert time.monotonic() < deadline, f"no {what}: nothing recorded for {stall_s} s"
-        assert all(a.poll() is None for a in agents), f"an agent ended before {what}"
+        assert time.monotonic() < deadline, \
+            f"no {what}: nothing recorded for {stall_s} s; {_warnings(tmp)}"
+        assert all(a.poll() is None for a in agents), \
+            f"an agent ended before {what}; {_warnings(tmp)}"
         time.sleep(0.2)
 
 
@@ -251,6 +259,15 @@ def _exit_code(agent, stall_s: float, tmp: Path) -> int:
     """The agent's exit status, waiting while the job makes progress."""
     _wait_for(lambda: agent.poll() is not None, [], stall_s, f"end of agent {agent.pid}", tmp)
     return agent.poll()
+
+
+def _warnings(tmp: Path, last: int = 25) -> str:
+    """The agents' last warnings and errors, in time order: what a stalled job was doing."""
+    lines = [f"{p.name}: {line[:400]}" for p in tmp.glob("log?*")  # each agent's
+             for line in p.read_text(errors="replace").splitlines()
+             if " WARNING " in line or " ERROR " in line]
+    lines.sort(key=lambda line: line.split(": ", 1)[1][:23])
+    return "the agents' last warnings:\n" + "\n".join(lines[-last:])
 
 
 def _tails(logs: list[Path]) -> str:
