@@ -14,6 +14,13 @@ model): detection <= 1 s, total <= 5 s.
     python scripts/bench_recovery_phases.py --nproc 8 --moments steady \
         --strategy reroute replan adaptive --precision fp32 bf16 --optimizer distributed
 
+Scaling (issue 29): ``--params 10M 100M 300M`` runs each case at those model sizes (seq 32,
+micro batch 1, global batch 8, vocabulary 1024: the training state, not the activations,
+grows), so a reader sees which phase grows with the state:
+
+    python scripts/bench_recovery_phases.py --nproc 4 8 --moments steady \
+        --params 10M 100M 300M --optimizer replicated distributed
+
 ``--strategy`` forces the decision center's choice (adaptive: its score picks); the row
 says what ran (``layout_after.mode``: rerouting, a heterogeneous plan or a megatron layout;
 with the distributed optimizer the state is rebuilt from the shard copies, refreshed every
@@ -35,13 +42,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_recovery_e2e import train  # noqa: E402
 
 PHASES = ("detect", "decide", "regroup", "migrate", "total")
+SIZES = {
+    "bench": [],  # bench_recovery_e2e's model: 8 layers, hidden 256 (6.6 M parameters)
+    "10M": ["--num-layers", "8", "--hidden-size", "320", "--num-attention-heads", "8"],
+    "100M": ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16"],
+    "300M": ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"],
+}
+"""Model sizes by parameter count (12 x layers x hidden^2 + the embeddings)."""
+SMALL_BATCH = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "8"]
 MOMENTS = {"start-up": 2, "steady": 12}
 """The failing step: 2 is before any step time is known; by 12 the timeouts are derived."""
 
 
 def one(tmp: Path, nproc: int, at: int, iters: int, timeout_s: float,
         extra: list[str]) -> tuple[dict[str, float], str]:
-    """(phases of the recovery record, what ran after it)."""
+    """(phases of the recovery record with its migrated MiB, what ran after it)."""
     victim = nproc - 1
     fault = f"rank={victim},iteration={at},phase=backward,kind=exit"
     recs = train(tmp, f"n{nproc}-at{at}", nproc,
@@ -49,7 +64,7 @@ def one(tmp: Path, nproc: int, at: int, iters: int, timeout_s: float,
                   "--chameleon-inject-fault", fault, *extra], iters, ft=True,
                  timeout_s=timeout_s)
     rec = next(r for r in recs if r["event"] == "recovery")
-    return rec["phases_s"], rec["layout_after"]["mode"]
+    return {**rec["phases_s"], "MiB": rec["migrated_bytes"] / 2**20}, rec["layout_after"]["mode"]
 
 
 def main() -> int:
@@ -64,32 +79,37 @@ def main() -> int:
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     parser.add_argument("--optimizer", nargs="+", default=["replicated"],
                         choices=["replicated", "distributed"])
+    parser.add_argument("--params", nargs="+", default=["bench"], choices=list(SIZES),
+                        help="model sizes (other than bench: seq 32, micro 1, global 8)")
     args = parser.parse_args()
     rows = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for nproc, moment, strategy, precision, optimizer in itertools.product(
-                args.nproc, args.moments, args.strategy, args.precision, args.optimizer):
+        for size, nproc, moment, strategy, precision, optimizer in itertools.product(
+                args.params, args.nproc, args.moments, args.strategy, args.precision,
+                args.optimizer):
             at = MOMENTS[moment]
-            extra = ["--chameleon-ft-strategy", strategy, *(["--bf16"] * (precision == "bf16"))]
+            extra = ["--chameleon-ft-strategy", strategy, *(["--bf16"] * (precision == "bf16")),
+                     *SIZES[size], *(SMALL_BATCH if SIZES[size] else [])]
             if optimizer == "distributed":
                 extra += ["--use-distributed-optimizer",
                           "--chameleon-ft-shard-replica-interval", "1"]
             runs = [one(Path(tempfile.mkdtemp(dir=tmp)), nproc, at, args.iters, args.timeout,
                         extra) for _ in range(args.repeat)]
-            row = {"ranks": nproc, "failure": f"{moment} (step {at})", "strategy": strategy,
+            row = {"params": size, "ranks": nproc, "failure": f"{moment} (step {at})", "strategy": strategy,
                    "precision": precision, "optimizer": optimizer,
                    "ran": "/".join(sorted({m for _, m in runs})),
-                   **{p: round(statistics.median(r[p] for r, _ in runs), 3) for p in PHASES}}
+                   **{p: round(statistics.median(r[p] for r, _ in runs), 3)
+                      for p in (*PHASES, "MiB")}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| ranks | failure | strategy | precision | optimizer | ran | "
-          f"{' | '.join(PHASES)} (s) |")
-    print("|---|---|---|---|---|---|" + "---|" * len(PHASES))
+    print(f"\n| params | ranks | failure | strategy | precision | optimizer | ran | "
+          f"{' | '.join(PHASES)} (s) | migrated MiB |")
+    print("|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
     for row in rows:
-        print(f"| {row['ranks']} | {row['failure']} | {row['strategy']} | {row['precision']} | "
+        print(f"| {row['params']} | {row['ranks']} | {row['failure']} | {row['strategy']} | {row['precision']} | "
               f"{row['optimizer']} | {row['ran']} | "
-              + " | ".join(f"{row[p]:.2f}" for p in PHASES) + " |")
+              + " | ".join(f"{row[p]:.2f}" for p in PHASES) + f" | {row['MiB']:.0f} |")
     print(f"\nload average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     return 0
 
