@@ -313,6 +313,8 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     (["--chameleon-swap", "--cpu-offloading-num-layers", "1"],
      "--chameleon-swap with --cpu-offloading-num-layers 1: Megatron's activation offloading"),
     (["--chameleon-metrics-file", "USED"], "already holds a run; give --chameleon-metrics-append"),
+    (["--chameleon-ft", "--chameleon-inject-fault", "rank=1,iteration=2,phase=final-save,kind=exit",
+      "AGENT"], "phase=final-save needs iteration=3 (--train-iters, the last step)"),
 ])
 def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
         standin, tmp_path, flags, message):
