@@ -114,8 +114,8 @@ class LMLoop(LoopPosition):
         """The step at which Megatron-LM's ``train()`` last returned."""
         self._final_valid = 0
         """Consumed validation samples when the final evaluation started."""
-        self._done_at_end: set[str] = set()
-        """End-of-job phases this loop ran that pretrain() has not called yet."""
+        self._done_at_end: list[str] = []
+        """End-of-job phases this loop ran that pretrain() has not called yet, in order."""
         self._returned = False
         """``train()`` returned to pretrain(): its later seam calls are its end-of-job work."""
 
@@ -308,7 +308,8 @@ class LMLoop(LoopPosition):
             self.after_step = phase
             self._run_end_of_job(entry, phase, it)
             self.after_step = ""  # a failure leaves the phase set: the recovery agrees on it
-            self._done_at_end.add(phase)
+            if phase not in self._done_at_end:  # once, though redone after a recovery
+                self._done_at_end.append(phase)
 
     def _run_end_of_job(self, entry: Entry, phase: str, it: int) -> None:
         """Megatron-LM's own call of ``phase``, with the objects trained now."""
@@ -326,18 +327,18 @@ class LMLoop(LoopPosition):
             self.model, it, entry.process_non_loss_data_func, self.config, verbose=True,
             write_to_tensorboard=not args.skip_train, non_loss_data_func=entry.non_loss_data_func)
 
-    def skips_end_of_job(self, phase: str, iterator: Any = None) -> bool:
-        """Whether pretrain()'s call after ``train()`` returned (its final checkpoint, or an
-        evaluation of ``iterator``) is work this loop has already done (once each)."""
+    def skips_end_of_job(self, phase: str) -> bool:
+        """Whether pretrain()'s call of ``phase`` ("save" or "eval") after ``train()``
+        returned is end-of-job work this loop has already done. pretrain() makes those calls
+        in ``END_OF_JOB`` order under the same conditions; the iterators cannot tell its two
+        evaluations apart (None on every tensor-parallel rank but the first)."""
         if not self._returned:
             return False
-        if phase == "eval":
-            phase = "final-eval" if iterator is self._originals[1] else "final-test"
-        else:
-            phase = "final-save"
-        if phase not in self._done_at_end:
+        wanted = ("final-save",) if phase == "save" else ("final-eval", "final-test")
+        done = next((p for p in self._done_at_end if p in wanted), None)
+        if done is None:
             return False
-        self._done_at_end.discard(phase)
+        self._done_at_end.remove(done)
         return True
 
     # ----------------------------------------------------------------- TrainerHandle

@@ -27,11 +27,12 @@ def end_of_job_due(args: argparse.Namespace, iteration: int, phase: str) -> bool
     """Whether Megatron-LM's ``pretrain()`` runs ``phase`` (``plugin.END_OF_JOB``) after its
     loop returned at step ``iteration`` (its own conditions, in 0.16 and 0.17)."""
     if phase == "final-save":
-        return bool(args.save and iteration and args.save_interval
+        return bool(getattr(args, "save", None) and iteration and args.save_interval
                     and iteration % args.save_interval)
-    if phase == "final-eval":
-        return bool(args.do_valid and not getattr(args, "perform_rl_step", False))
-    return bool(args.do_test)
+    if phase == "final-eval":  # do_valid and do_test: set where the data loaders are built
+        return bool(getattr(args, "do_valid", False)
+                    and not getattr(args, "perform_rl_step", False))
+    return bool(getattr(args, "do_test", False))
 
 
 _WORK_NAMES = {"eval": "evaluation", "save": "checkpoint", "final-save": "final checkpoint",

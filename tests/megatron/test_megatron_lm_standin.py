@@ -132,8 +132,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, checkpointing_context
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far, checkpointing_context=None,
-                    train_data_iterator=None):
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None):
     raise AssertionError("no --save")
+
+
+def preprocess_common_state_dict(common_state_dict):
+    return common_state_dict
 
 
 def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
