@@ -62,7 +62,8 @@ def test_the_flag_is_repeatable_and_checked_when_the_config_is_built() -> None:
 ])
 def test_end_of_job_faults_must_name_the_last_step_of_megatron_lms_pretrain(
         train_iters, megatron_lm, message) -> None:
-    texts = ["rank=1,iteration=6,phase=eval,kind=exit", "rank=0,iteration=6,phase=final-test,kind=exit"]
+    texts = ["rank=1,iteration=6,phase=eval,kind=exit",
+             "rank=0,iteration=6,phase=final-test,kind=exit"]
     if message is None:
         check_end_of_job_faults(texts, train_iters, megatron_lm=megatron_lm)
         return
