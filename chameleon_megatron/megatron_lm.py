@@ -43,6 +43,7 @@ from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
 from chameleon_megatron.training.lm_loop import Leave, Providers
 from chameleon_megatron.preflight import check_launcher, check_metrics_file
 from chameleon_megatron.resilience.config import ResilienceConfig
+from chameleon_megatron.resilience.recovery.faults import check_end_of_job_faults
 from chameleon_megatron.resilience.launch.with_agent import end_with_agent
 from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.training.plugin import TrainerPlugin
@@ -122,6 +123,7 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
     refused = first_refused(ft_limits(margs))
     if refused is not None:
         raise ConfigError(f"--chameleon-ft: {refused}")
+    check_end_of_job_faults(ft.inject_fault, margs.train_iters, megatron_lm=True)
     check_launcher(config)
 
 

@@ -16,6 +16,7 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import user_errors
 from chameleon_megatron.logs import setup_logging
 from chameleon_megatron.preflight import preflight
+from chameleon_megatron.resilience.recovery.faults import check_end_of_job_faults
 from chameleon_megatron.resilience.launch.with_agent import end_with_agent
 from chameleon_megatron.training.arguments import parse_args
 from chameleon_megatron.training.env import env_from_torchrun
@@ -87,6 +88,7 @@ def checked_args(argv: list[str] | None, world_size: int, *, prog: str = PROG,
         args = validate_args(parse_args(argv), world_size)
         cfg = config_from_args(args)
         preflight(args, cfg)
+        check_end_of_job_faults(cfg.ft.inject_fault, args.train_iters, megatron_lm=False)
     return args, cfg
 
 

@@ -133,6 +133,9 @@ def test_trainer_refuses_before_building_the_model(argv, expected):
     (["--tensor-model-parallel-size", "2", "--num-experts", "2", "--disable-bias-linear"],
      "--num-experts with --tensor-model-parallel-size=2 needs --sequence-parallel"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--chameleon-ft", "--chameleon-inject-fault",
+      "rank=1,iteration=2,phase=final-eval,kind=exit"],
+     "phase=final-eval fires in the work Megatron-LM's pretrain() does after its loop"),
 ])
 def test_chameleon_run_checks_the_training_args_before_any_worker_starts(argv, expected):
     line = _one_error_line(_entry(TINY + ["--mock-data", *argv], launcher=True),

@@ -25,7 +25,7 @@ class ResilienceConfig:
     inject_fault: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"flag": "--chameleon-inject-fault"}
     )
-    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy,kind=exit|hang|exception|oom', or kind=slow,seconds=S."""
+    """Deterministic fault, repeatable: 'rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy|final-save|final-eval|final-test,kind=exit|hang|exception|oom', or kind=slow,seconds=S (final-*: Megatron-LM pretrain()'s end-of-job work, I = --train-iters)."""
     startup_timeout_s: float = 300.0
     """Process-group and heartbeat timeout until a step time has been measured (start-up, model build, checkpoint I/O)."""
     pg_timeout_factor: float = 5.0

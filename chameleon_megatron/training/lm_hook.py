@@ -17,7 +17,9 @@ returns or raises:
   evaluation) runs inside the plugins' ``step_context``;
 - ``evaluate_and_print_results`` and ``save_checkpoint``: marked as the work after a step
   (a failure in them is recovered like one in a step), with the model, optimizer, schedule
-  and iterators trained now (``pretrain()`` calls them with the ones it built).
+  and iterators trained now (``pretrain()`` calls them with the ones it built). The loop
+  runs pretrain()'s end-of-job calls of them itself (``LMLoop._end_of_job``, recovered like
+  the rest), so pretrain()'s own calls after ``train()`` returned are skipped.
 
 ``on_train_end`` is called when ``pretrain()`` returns or raises.
 """
@@ -39,7 +41,12 @@ from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.training.lm_loop import LMLoop, Providers
 from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
-from chameleon_megatron.training.plugin import TrainContext, TrainerPlugin, plugins_step
+from chameleon_megatron.training.plugin import (
+    END_OF_JOB,
+    TrainContext,
+    TrainerPlugin,
+    plugins_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +58,7 @@ WRAPPED = ("setup_model_and_optimizer", "build_train_valid_test_data_iterators",
 """Functions of megatron.training.training replaced while pretrain() runs."""
 USED = WRAPPED + ("get_args", "get_timers", "mpu", "get_model_config", "get_num_microbatches",
                   "load_checkpoint", "save_checkpoint_and_time",
-                  "num_floating_point_operations")
+                  "num_floating_point_operations", "preprocess_common_state_dict")
 """Every name of megatron.training.training the hook relies on."""
 
 
@@ -233,7 +240,11 @@ class MegatronLMHook:
             if self.loop is None:
                 return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
+            if self.loop.skips_end_of_job(phase):
+                return None  # pretrain()'s end-of-job call: the loop ran it, recovered
             current(bound.arguments)
+            if self.loop.after_step in END_OF_JOB:  # the loop's own call, marked there
+                return original(*bound.args, **bound.kwargs)
             with self.loop.after_step_phase(phase):
                 return original(*bound.args, **bound.kwargs)
 

@@ -9,8 +9,10 @@ through Megatron-LM's own ``setup_model_and_optimizer``), and the original is ca
 with the new objects, ``args.iteration`` and ``args.consumed_train_samples`` at the agreed
 step and data iterators rebuilt at that sample: the same global batches, the same schedule.
 
-``pretrain()`` still holds the objects it built; the seams it calls after ``train()``
-(the final checkpoint and evaluations) get the current ones through ``current_objects``.
+Once the original returns, the loop runs the work ``pretrain()`` does after ``train()``
+(``END_OF_JOB``: its final checkpoint, its evaluations on the validation and test sets) in
+the same recovery scope, with the objects trained now; pretrain()'s own calls of that work
+are then skipped (``skips_end_of_job``), so a failure there is recovered like one in a step.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.frames import clear_frames
-from chameleon_megatron.training.loop_position import LoopPosition, work_due
+from chameleon_megatron.training.loop_position import LoopPosition, end_of_job_due, work_due
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
+    END_OF_JOB,
     StepAction,
     TrainContext,
     TrainerPlugin,
@@ -107,6 +110,14 @@ class LMLoop(LoopPosition):
         groups of the layout they were made for)."""
         self._changes = 0
         """Layout changes and checkpoint loads so far (one between steps unwinds ``train()``)."""
+        self._ended_at = -1
+        """The step at which Megatron-LM's ``train()`` last returned."""
+        self._final_valid = 0
+        """Consumed validation samples when the final evaluation started."""
+        self._done_at_end: list[str] = []
+        """End-of-job phases this loop ran that pretrain() has not called yet, in order."""
+        self._returned = False
+        """``train()`` returned to pretrain(): its later seam calls are its end-of-job work."""
 
     # ----------------------------------------------------------------- what pretrain built
     def built(self, model: list[Any], optimizer: Any, scheduler: Any) -> None:
@@ -145,14 +156,22 @@ class LMLoop(LoopPosition):
         self._valid_mark = (-1, args.consumed_valid_samples)
         if any(p.on_train_start(self) == "stop" for p in self.plugins):
             raise Leave()
+        result = None
         while True:
             try:
-                if self._redo_after:
-                    self._after_step_work(entry, self._take_redo_after())
-                return original(forward_step_func, self.model, self.optimizer, self.scheduler,
-                                self.current(train_iterator), self.current(valid_iterator),
-                                process_non_loss_data_func, self.config, checkpointing_context,
-                                non_loss_data_func, *rest)
+                start = self._end_of_job_redo()
+                if not start:
+                    if self._redo_after:
+                        self._after_step_work(entry, self._take_redo_after())
+                    result = original(forward_step_func, self.model, self.optimizer,
+                                      self.scheduler, self.current(train_iterator),
+                                      self.current(valid_iterator), process_non_loss_data_func,
+                                      self.config, checkpointing_context, non_loss_data_func,
+                                      *rest)
+                    self._ended_at, start = self.iteration, END_OF_JOB[0]
+                self._end_of_job(entry, start)
+                self._returned = True
+                return result if result is not None else (self.iteration, self._flops)
             except Reenter:
                 self._reentry()
             except Leave:
@@ -187,6 +206,8 @@ class LMLoop(LoopPosition):
         args.num_floating_point_operations_so_far = self._flops
         if self._redo_after == "eval" and self._valid_mark[0] == self.iteration:
             args.consumed_valid_samples = self._valid_mark[1]
+        if self._redo_after == "final-eval":  # the final evaluation's batches again
+            args.consumed_valid_samples = self._final_valid
         # train() sets these again for its model; it refuses a no_sync_func left behind.
         self.config.no_sync_func = self.config.grad_sync_func = None
         self.config.param_sync_func = None
@@ -259,6 +280,66 @@ class LMLoop(LoopPosition):
                     it, self.model, self.optimizer, self.scheduler, self._flops,
                     entry.checkpointing_context,
                     train_data_iterator=self.current(self._originals[0]))
+
+    # ----------------------------------------------------------------- after the loop
+    def _end_of_job_redo(self) -> str:
+        """The end-of-job phase a recovery agreed to redo from ("" : none; training, or
+        the work after a step, comes first). A recovery that went back to an earlier
+        step trains again up to the end first, then runs the whole end-of-job work."""
+        if self._redo_after in END_OF_JOB and self.iteration == self._ended_at:
+            return self._take_redo_after()
+        if self._redo_after in END_OF_JOB:
+            self._redo_after = ""
+        return ""
+
+    def _end_of_job(self, entry: Entry, start: str) -> None:
+        """What Megatron-LM's ``pretrain()`` does after ``train()`` returns (its final
+        checkpoint, its evaluations on the validation and test sets), from phase ``start``
+        on, inside this loop's recovery; pretrain()'s own calls of them are then skipped
+        (``skips_end_of_job``)."""
+        args, it = self._training.get_args(), self.iteration
+        for phase in END_OF_JOB[END_OF_JOB.index(start):]:
+            if not end_of_job_due(args, it, phase):
+                continue
+            if phase == "final-eval":
+                self._final_valid = args.consumed_valid_samples
+            for plugin in self.plugins:
+                plugin.on_end_of_job(phase, it)
+            self.after_step = phase
+            self._run_end_of_job(entry, phase, it)
+            self.after_step = ""  # a failure leaves the phase set: the recovery agrees on it
+            if phase not in self._done_at_end:  # once, though redone after a recovery
+                self._done_at_end.append(phase)
+
+    def _run_end_of_job(self, entry: Entry, phase: str, it: int) -> None:
+        """Megatron-LM's own call of ``phase``, with the objects trained now."""
+        args, training = self._training.get_args(), self._training
+        if phase == "final-save":
+            training.save_checkpoint(
+                it, self.model, self.optimizer, self.scheduler, self._flops,
+                entry.checkpointing_context, train_data_iterator=self.current(self._originals[0]),
+                preprocess_common_state_dict_fn=training.preprocess_common_state_dict)
+            return
+        which, iterator = (("validation", self._originals[1]) if phase == "final-eval"
+                           else ("test", self._originals[2]))
+        training.evaluate_and_print_results(
+            f"iteration {it} on {which} set", entry.forward_step_func, self.current(iterator),
+            self.model, it, entry.process_non_loss_data_func, self.config, verbose=True,
+            write_to_tensorboard=not args.skip_train, non_loss_data_func=entry.non_loss_data_func)
+
+    def skips_end_of_job(self, phase: str) -> bool:
+        """Whether pretrain()'s call of ``phase`` ("save" or "eval") after ``train()``
+        returned is end-of-job work this loop has already done. pretrain() makes those calls
+        in ``END_OF_JOB`` order under the same conditions; the iterators cannot tell its two
+        evaluations apart (None on every tensor-parallel rank but the first)."""
+        if not self._returned:
+            return False
+        wanted = ("final-save",) if phase == "save" else ("final-eval", "final-test")
+        done = next((p for p in self._done_at_end if p in wanted), None)
+        if done is None:
+            return False
+        self._done_at_end.remove(done)
+        return True
 
     # ----------------------------------------------------------------- TrainerHandle
     @property

@@ -23,6 +23,22 @@ def work_due(args: argparse.Namespace, iteration: int, phase: str, *, final_save
                                or (args.save_interval and iteration % args.save_interval == 0)))
 
 
+def end_of_job_due(args: argparse.Namespace, iteration: int, phase: str) -> bool:
+    """Whether Megatron-LM's ``pretrain()`` runs ``phase`` (``plugin.END_OF_JOB``) after its
+    loop returned at step ``iteration`` (its own conditions, in 0.16 and 0.17)."""
+    if phase == "final-save":
+        return bool(getattr(args, "save", None) and iteration and args.save_interval
+                    and iteration % args.save_interval)
+    if phase == "final-eval":  # do_valid and do_test: set where the data loaders are built
+        return bool(getattr(args, "do_valid", False)
+                    and not getattr(args, "perform_rl_step", False))
+    return bool(getattr(args, "do_test", False))
+
+
+_WORK_NAMES = {"eval": "evaluation", "save": "checkpoint", "final-save": "final checkpoint",
+               "final-eval": "final validation", "final-test": "final test"}
+
+
 class LoopPosition:
     """The position part of a loop (a base class of both loops): ``resume_at`` is how a
     recovery moves it, ``_take_redo_after`` how the loop reads what is left to redo."""
@@ -48,5 +64,5 @@ class LoopPosition:
         phase, self._redo_after = self._redo_after, ""
         if self.rank == 0:
             logger.info("the work after step %d is redone from its %s in the new layout",
-                        self.iteration, "evaluation" if phase == "eval" else "checkpoint")
+                        self.iteration, _WORK_NAMES[phase])
         return phase

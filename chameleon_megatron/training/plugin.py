@@ -51,6 +51,11 @@ class TrainContext:
 
 AFTER_STEP = ("eval", "save")
 """The collective work after a step, in order: its evaluation, then its checkpoint."""
+END_OF_JOB = ("final-save", "final-eval", "final-test")
+"""The collective work Megatron-LM's ``pretrain()`` does after its loop returns, in order:
+the final checkpoint, the evaluations on the validation and on the test set."""
+WORK_ORDER = AFTER_STEP + END_OF_JOB
+"""Every phase of work outside a step, in the order a loop runs them after its last step."""
 
 
 class TrainerHandle(Protocol):
@@ -66,7 +71,7 @@ class TrainerHandle(Protocol):
     consumed_samples: int
     """Samples consumed by those iterations (read only)."""
     after_step: str
-    """The work after step ``iteration`` (one of ``AFTER_STEP``) this rank is inside; ""
+    """The work after step ``iteration`` (one of ``WORK_ORDER``) this rank is inside; ""
     in a step or between steps (read only)."""
 
     @property
@@ -155,6 +160,10 @@ class TrainerPlugin:
 
     def on_checkpoint(self, iteration: int) -> None:
         """Every rank is about to write the checkpoint of step ``iteration`` (collective)."""
+
+    def on_end_of_job(self, phase: str, iteration: int) -> None:
+        """Every rank is about to run ``phase`` (``END_OF_JOB``) of the work after the last
+        step ``iteration`` (collective; again after a recovery during it)."""
 
     def metrics(self) -> dict[str, Any]:
         """Fields merged into this iteration's metrics record (e.g. ``{"swap": {...}}``)."""

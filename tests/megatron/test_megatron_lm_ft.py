@@ -33,6 +33,9 @@ TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-3
 """Relative, in bf16: the new layout sums gradients over other data-parallel groups."""
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
+FINAL = re.compile(r"validation loss at iteration (\d+) on (validation|test) set \| "
+                   r"lm loss value: (\S+)")
+"""pretrain()'s end-of-job evaluations: (iteration, set, loss)."""
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +68,15 @@ def launch(checkout, out: Path, nproc: int, *extra: str, ft: bool = True,
 @pytest.fixture(scope="module")
 def reference(checkout, tmp_path_factory):
     """Megatron-LM's own run of the job on 4 ranks (PP2 x DP2), no failure, no Chameleon
-    fault tolerance: losses by iteration, validation losses by iteration."""
+    fault tolerance: losses by iteration, validation losses by iteration, the end-of-job
+    evaluations (``FINAL``)."""
     records, log = launch(checkout, tmp_path_factory.mktemp("ref") / "ref.jsonl", 4, ft=False)
     records = iterations(records)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
-    return {r["iteration"]: r["loss"] for r in records}, dict(VALIDATION.findall(log))
+    finals = FINAL.findall(log)
+    assert [f[:2] for f in finals] == [("6", "validation"), ("6", "test")]
+    return ({r["iteration"]: r["loss"] for r in records}, dict(VALIDATION.findall(log)),
+            finals)
 
 
 def iterations(records: list[dict]) -> list[dict]:
@@ -85,7 +92,7 @@ def test_two_failures_recover_in_memory_with_the_losses_of_the_failure_free_run(
     """PP2 x DP2 on 4 ranks. Rank 1 dies during the evaluation after step 3: the survivors
     re-plan and redo that evaluation. Rank 2 dies in step 5: the survivor holding every layer
     goes on alone. Checkpoints are written in every layout."""
-    losses, validation = reference
+    losses, validation, _ = reference
     records, log = launch(
         checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
         "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
@@ -110,7 +117,7 @@ def test_state_without_a_surviving_copy_comes_from_megatron_lms_checkpoint(
         checkout, reference, tmp_path):
     """PP2 on 2 ranks (no replica): rank 1 dies in step 4; the survivor loads Megatron-LM's
     checkpoint of step 2 into a one-rank layout and redoes steps 3 to 6."""
-    losses, _ = reference
+    losses, _, _ = reference
     records, log = launch(
         checkout, tmp_path / "ft.jsonl", 2, "--chameleon-ft",
         "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
@@ -211,3 +218,71 @@ def test_a_distributed_optimizer_job_recovers_from_its_shard_copies(checkout, tm
         ([1], None, resumed + 1)
     assert done["state_from"] == {"source": "shard copies", "iteration": resumed,
                                   "rolled_back_steps": 3 - resumed, "replicas_of": [1]}, done
+
+
+def killed_at_the_end(checkout, reference, tmp_path, fault: str,
+                      *extra: str) -> tuple[dict, str]:
+    """The reference job with ``--chameleon-ft`` and ``fault`` in pretrain()'s end-of-job
+    work: it ends with exit 0 (``launch``), every step once with the failure-free losses, and
+    end-of-job evaluations equal to the failure-free ones (redone ones included). Returns
+    the recovery and the job's output."""
+    losses, _, finals = reference
+    records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+                          "--chameleon-inject-fault", fault, *extra)
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:
+        assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
+    got = FINAL.findall(log)
+    assert [g[:2] for g in got] == [f[:2] for f in finals], got  # each once
+    for (_, which, loss), (_, _, want) in zip(got, finals):
+        assert float(loss) == pytest.approx(float(want), abs=TOLERANCE), which
+    (done,) = recoveries(records)
+    assert (done["failed_ranks"], done["fallback"]) == ([1], None), done
+    return done, log
+
+
+def test_a_failure_in_the_final_checkpoint_is_recovered(checkout, reference, tmp_path):
+    """PP2 x DP2 saving every 4 steps, so pretrain() writes a final checkpoint of step 6
+    after its loop: rank 1 dies as it starts. The survivors re-plan, write it again in the
+    new layout, and the checkpoint is complete: every tensor its metadata names loads."""
+    ckpt = tmp_path / "ckpt"
+    _, log = killed_at_the_end(checkout, reference, tmp_path,
+                               "rank=1,iteration=6,phase=final-save,kind=exit",
+                               "--save", str(ckpt), "--save-interval", "4")
+    assert "the work after step 6 is redone from its final checkpoint" in log
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    loaded = load_every_tensor(ckpt / "iter_0000006")
+    assert any(name.startswith("decoder.layers") for name in loaded), sorted(loaded)[:5]
+
+
+def load_every_tensor(path: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint, read back in this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    meta = reader.read_metadata().state_dict_metadata
+    tensors = {name: torch.full(m.size, float("nan"), dtype=m.properties.dtype)
+               for name, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and t.isnan().any()]
+    assert not bad, f"not written: {bad[:5]}"
+    return tensors
+
+
+def test_a_failure_in_the_final_validation_is_recovered(checkout, reference, tmp_path):
+    """Rank 1 dies as pretrain()'s evaluation on the validation set after step 6 starts:
+    the survivors redo it on the same batches, then evaluate the test set."""
+    _, log = killed_at_the_end(checkout, reference, tmp_path,
+                               "rank=1,iteration=6,phase=final-eval,kind=exit")
+    assert "the work after step 6 is redone from its final validation" in log
+
+
+def test_a_failure_in_the_final_test_evaluation_is_recovered(checkout, reference, tmp_path):
+    """Rank 1 dies as pretrain()'s evaluation on the test set starts: the survivors redo
+    it alone (the validation is not evaluated twice)."""
+    _, log = killed_at_the_end(checkout, reference, tmp_path,
+                               "rank=1,iteration=6,phase=final-test,kind=exit")
+    assert "the work after step 6 is redone from its final test" in log

@@ -132,8 +132,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, checkpointing_context
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far, checkpointing_context=None,
-                    train_data_iterator=None):
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None):
     raise AssertionError("no --save")
+
+
+def preprocess_common_state_dict(common_state_dict):
+    return common_state_dict
 
 
 def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
@@ -313,6 +317,8 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     (["--chameleon-swap", "--cpu-offloading-num-layers", "1"],
      "--chameleon-swap with --cpu-offloading-num-layers 1: Megatron's activation offloading"),
     (["--chameleon-metrics-file", "USED"], "already holds a run; give --chameleon-metrics-append"),
+    (["--chameleon-ft", "--chameleon-inject-fault", "rank=1,iteration=2,phase=final-save,kind=exit",
+      "AGENT"], "phase=final-save needs iteration=3 (--train-iters, the last step)"),
 ])
 def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
         standin, tmp_path, flags, message):

@@ -1,7 +1,7 @@
 """Deterministic fault injection: which rank fails, at which iteration and phase, and how.
 
 A fault is written
-``rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy,kind=...``
+``rank=R,iteration=I,phase=forward|...|copy|final-save|final-eval|final-test,kind=...``
 (``kind=exit|hang|exception|oom``)
 or ``...,kind=slow,seconds=S`` (the ``--chameleon-inject-fault`` syntax, repeatable) or built
 with ``FaultInjector.fail_at``.
@@ -18,6 +18,10 @@ with ``FaultInjector.fail_at``.
   then inside that collective work); copy fires in the exchange of the distributed
   optimizer's shard copy of step I, on its thread, once this rank's copy is sent and its
   predecessor's received, before the commit (a failure while a copy is in flight).
+  final-save, final-eval, final-test fire as the work Megatron-LM's ``pretrain()`` does
+  after its loop returns starts: its final checkpoint, its evaluation on the validation
+  set, on the test set (Megatron-LM's pretrain_gpt.py only; I must be the last step,
+  ``--train-iters``, which ``check_end_of_job_faults`` enforces).
 * ``kind``: ``exit`` ends the process at once with ``INJECTED_EXIT_CODE`` (no clean-up, like a
   crash); ``hang`` blocks the calling thread forever (only a heartbeat timeout finds it);
   ``exception`` raises ``InjectedFault`` from the training code; ``oom`` raises torch's
@@ -37,15 +41,17 @@ from typing import Iterable, Literal, get_args
 logger = logging.getLogger(__name__)
 
 Phase = Literal["forward", "backward", "grads", "optimizer", "recovery", "eval", "save",
-                "copy"]
+                "copy", "final-save", "final-eval", "final-test"]
 FaultKind = Literal["exit", "hang", "exception", "oom", "slow"]
 PHASES: tuple[str, ...] = get_args(Phase)
 KINDS: tuple[str, ...] = get_args(FaultKind)
 INJECTED_EXIT_CODE = 43
 """Exit status of a process ended by an injected ``exit`` fault."""
 
-_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy,"
-           "kind=exit|hang|exception|oom|slow[,seconds=S]")
+END_OF_JOB_PHASES = ("final-save", "final-eval", "final-test")
+"""Phases of Megatron-LM's end-of-job work (``training.plugin.END_OF_JOB``)."""
+_SYNTAX = ("rank=R,iteration=I,phase=forward|backward|grads|optimizer|recovery|eval|save|copy|"
+           "final-save|final-eval|final-test,kind=exit|hang|exception|oom|slow[,seconds=S]")
 
 
 class InjectedFault(RuntimeError):
@@ -119,6 +125,25 @@ def _seconds(text: str, value: str) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"fault {text!r}: seconds={value!r} is not a number") from None
+
+
+def check_end_of_job_faults(texts: Iterable[str], train_iters: int | None, *,
+                            megatron_lm: bool) -> None:
+    """Refuse (ValueError, one line) an end-of-job fault that would never fire: it needs
+    Megatron-LM's ``pretrain()`` (``megatron_lm``) and the last step, ``train_iters``, as
+    its iteration."""
+    for spec in map(parse_fault, texts):
+        if spec.phase not in END_OF_JOB_PHASES:
+            continue
+        if not megatron_lm:
+            raise ValueError(f"fault {spec}: phase={spec.phase} fires in the work Megatron-LM's "
+                             "pretrain() does after its loop; this trainer has none (use "
+                             "phase=eval or phase=save at the last iteration)")
+        if spec.iteration != train_iters:
+            raise ValueError(f"fault {spec}: phase={spec.phase} needs iteration={train_iters} "
+                             "(--train-iters, the last step)" if train_iters is not None else
+                             f"fault {spec}: phase={spec.phase} needs --train-iters (its "
+                             "iteration must be the last step)")
 
 
 class FaultInjector:

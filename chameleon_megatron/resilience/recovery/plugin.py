@@ -194,10 +194,14 @@ class ResiliencePlugin(TrainerPlugin):
     def on_checkpoint(self, iteration: int) -> None:
         self.controller.injector.check(iteration, "save")
 
+    def on_end_of_job(self, phase: str, iteration: int) -> None:
+        self.controller.injector.check(iteration, phase)  # type: ignore[arg-type]
+
     def _slow_work_after(self, iteration: int) -> bool:
-        """A checkpoint or an evaluation follows this step (no beats, long collectives)."""
-        return any(work_due(self._args, iteration, phase, final_save=True)
-                   for phase in AFTER_STEP)
+        """A checkpoint or an evaluation follows this step (no beats, long collectives);
+        after the last one, Megatron-LM's pretrain() may run its end-of-job work."""
+        return iteration == self._args.train_iters or any(
+            work_due(self._args, iteration, phase, final_save=True) for phase in AFTER_STEP)
 
     def on_step_failed(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         """A peer's failure (a communication error): recover. A local error is another

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from chameleon_megatron.training.plugin import AFTER_STEP, TrainerHandle
+from chameleon_megatron.training.plugin import WORK_ORDER, TrainerHandle
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class RunState:
     rng: dict[str, Any] = field(default_factory=dict)
     """RNG states (CPU, CUDA, megatron's tensor-parallel tracker), opaque here."""
     after_step: str = ""
-    """The work after step ``iteration`` this rank was inside (``AFTER_STEP``); "" if none."""
+    """The work after step ``iteration`` this rank was inside (``WORK_ORDER``); "" if none."""
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -86,7 +86,7 @@ def agree(states: Mapping[int, RunState]) -> Agreed:
     return Agreed(iteration=newest, consumed_samples=ref.consumed_samples,
                   scheduler=ref.scheduler, fresh=fresh,
                   stale=tuple(sorted(r for r in states if r not in fresh)),
-                  after_step=min(pending, key=AFTER_STEP.index, default=""))
+                  after_step=min(pending, key=WORK_ORDER.index, default=""))
 
 
 def of(trainer: TrainerHandle, rng: dict[str, Any]) -> RunState:

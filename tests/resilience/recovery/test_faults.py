@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,8 @@ from chameleon_megatron.config import add_chameleon_args, build_config, config_f
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.resilience.recovery.fault_hooks import install_fault_hooks
 from chameleon_megatron.resilience.recovery.faults import (
-    INJECTED_EXIT_CODE, FaultInjector, FaultSpec, InjectedFault, parse_fault,
+    INJECTED_EXIT_CODE, FaultInjector, FaultSpec, InjectedFault, check_end_of_job_faults,
+    parse_fault,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -50,6 +52,24 @@ def test_the_flag_is_repeatable_and_checked_when_the_config_is_built() -> None:
     assert len(config_from_args(ns).ft.inject_fault) == 2
     with pytest.raises(ConfigError, match="ft.inject_fault='rank=1'"):
         build_config({"ft": {"enabled": True, "inject_fault": ["rank=1"]}})
+
+
+@pytest.mark.parametrize("train_iters, megatron_lm, message", [
+    (6, True, None),
+    (8, True, "phase=final-test needs iteration=8 (--train-iters, the last step)"),
+    (None, True, "phase=final-test needs --train-iters"),
+    (6, False, "phase=final-test fires in the work Megatron-LM's pretrain() does"),
+])
+def test_end_of_job_faults_must_name_the_last_step_of_megatron_lms_pretrain(
+        train_iters, megatron_lm, message) -> None:
+    texts = ["rank=1,iteration=6,phase=eval,kind=exit",
+             "rank=0,iteration=6,phase=final-test,kind=exit"]
+    if message is None:
+        check_end_of_job_faults(texts, train_iters, megatron_lm=megatron_lm)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_end_of_job_faults(texts, train_iters, megatron_lm=megatron_lm)
+    check_end_of_job_faults(texts[:1], train_iters, megatron_lm=megatron_lm)  # others pass
 
 
 def test_injector_fires_only_its_own_rank_once_at_the_planned_step_and_phase() -> None:

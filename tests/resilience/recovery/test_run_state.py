@@ -61,6 +61,9 @@ def test_the_work_after_the_step_resumes_from_the_earliest_phase_a_fresh_member_
     assert agree(states).after_step == "save"  # rank 3's evaluation belongs to an older step
     del states[1]
     assert agree(states).after_step == ""
+    states = {0: RunState(6, 48, after_step="final-eval"),
+              1: RunState(6, 48, after_step="final-save")}  # Megatron-LM's end-of-job work
+    assert agree(states).after_step == "final-save"
     store = dist.HashStore()
     publish(store, 1, RunState(5, 40, after_step="save"))
     assert read_all(store, (1,))[1].after_step == "save"
