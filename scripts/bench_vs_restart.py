@@ -269,7 +269,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--iters", type=int, default=36)
-    parser.add_argument("--fail-at", type=int, nargs="+", default=[9, 18, 27],
+    parser.add_argument("--fail-at", type=int, nargs="+", default=[8, 20, 32],
                         help="steps a worker dies in (one failure each)")
     parser.add_argument("--mtbf-s", type=float, default=None,
                         help="MTBF for Young's interval (default: the failures' own rate, "
