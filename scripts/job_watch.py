@@ -38,6 +38,9 @@ class Trace:
     records: list[tuple[float, dict]] = field(default_factory=list)
     lines: list[tuple[float, str]] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)
+    """The host's 1-minute load average at the start and at the end (other work inflates
+    every time: jobs run one after the other see different loads)."""
 
     @property
     def wall_s(self) -> float:
@@ -110,7 +113,7 @@ def watch_job(cmd: list[str], *, cwd: Path, metrics: Path, log: Path, tag: str,
     pending = list(kills)
     records, lines = Tail(metrics), Tail(log)
     with open(log, "w") as out:
-        trace = Trace(start=time.time())
+        trace = Trace(start=time.time(), load=(os.getloadavg()[0], 0.0))
         proc = subprocess.Popen(cmd, cwd=cwd, env={**job_env(tag), **(env or {})}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -124,6 +127,7 @@ def watch_job(cmd: list[str], *, cwd: Path, metrics: Path, log: Path, tag: str,
         finally:
             trace.end = time.time()
             trace.exit_code = proc.poll()
+            trace.load = (trace.load[0], os.getloadavg()[0])
             _kill_session(proc)
     trace.lines += lines.read()
     trace.records += [(t, json.loads(line)) for t, line in records.read()]
