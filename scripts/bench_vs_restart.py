@@ -16,7 +16,8 @@ time until the failed step itself is complete, steps redone; per job: wall time 
 iterations (launch to exit) and its ratio to the failure-free job's.
 
     python scripts/bench_vs_restart.py --nproc 4                 # 102 M parameters, PP2 x DP2
-    python scripts/bench_vs_restart.py --nproc 8 --hidden 512    # the largest that fits
+    python scripts/bench_vs_restart.py --nproc 8 --hidden 512 --heads 8 --iters 30 \
+        --fail-at 8 16 24                                        # 26 M parameters, PP2 x DP4
 """
 
 from __future__ import annotations
