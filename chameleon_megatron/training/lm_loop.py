@@ -133,7 +133,7 @@ class LMLoop(LoopPosition):
               model: list[Any], optimizer: Any, scheduler: Any, train_iterator: Any,
               valid_iterator: Any, process_non_loss_data_func: Any, config: Any,
               checkpointing_context: Any, non_loss_data_func: Any = None,
-              *rest: Any) -> tuple[int, float]:
+              *rest: Any, **named: Any) -> tuple[int, float]:
         """Megatron-LM's ``train()`` (``original``), re-entered after every recovery."""
         entry = Entry(forward_step_func, process_non_loss_data_func, checkpointing_context,
                       non_loss_data_func)
@@ -152,7 +152,7 @@ class LMLoop(LoopPosition):
                 return original(forward_step_func, self.model, self.optimizer, self.scheduler,
                                 self.current(train_iterator), self.current(valid_iterator),
                                 process_non_loss_data_func, self.config, checkpointing_context,
-                                non_loss_data_func, *rest)
+                                non_loss_data_func, *rest, **named)
             except Reenter:
                 self._reentry()
             except Leave:
