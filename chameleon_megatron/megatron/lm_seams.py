@@ -10,6 +10,7 @@ that release (read from core_v0.16.1, core_v0.17.1 and core_v0.19.0).
 from __future__ import annotations
 
 import inspect
+import re
 from types import ModuleType
 from typing import Any, Callable
 
@@ -55,8 +56,10 @@ class UnsupportedMegatron(RuntimeError):
 
 def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string such as '0.19.1' or '0.16.1rc0'."""
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or -1)
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise UnsupportedMegatron(f"Megatron-LM version {version!r} is not MAJOR.MINOR...")
+    return int(match.group(1)), int(match.group(2))
 
 
 def params(fn: Callable[..., Any]) -> tuple[str, ...]:
