@@ -134,7 +134,7 @@ def test_an_updated_checkout_is_refused_at_run_time_in_one_line(checkout, update
 def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run(checkout,
                                                                                  tmp_path):
     """PP2 x DP2 on 4 ranks under chameleon-run with --chameleon-ft: rank 1 dies in backward
-    of step 3, the survivors re-plan, rebuild through 0.19's setup_model_and_optimizer (its
+    of step 3, the survivors re-plan (to PP1 x DP2), rebuild through 0.19's setup_model_and_optimizer (its
     config container made again for the new layout) and re-enter its train(). Against
     Megatron-LM's failure-free run of the same job (torchrun, no fault tolerance): every step
     once, every loss within 1e-4."""
@@ -147,3 +147,5 @@ def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run
                                        abs=TOLERANCE)
     assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
     assert done["migrated_bytes"] > 0  # the state came from the surviving replica
+    # the new layout (PP1 x DP2, one spare) is a model the config container had to describe anew
+    assert [(r["layout"]["pp"], r["layout"]["dp"]) for r in steps] == [(2, 2)] * 2 + [(1, 2)] * 4
