@@ -3,7 +3,7 @@
 The patch rebinds ``pretrain = wrap_pretrain(pretrain)`` at the top of the script's
 ``__main__`` block. From then on:
 
-* ``parse_args`` of ``megatron.training.arguments`` and ``.initialize`` chain our
+* ``parse_args`` of ``megatron.training.arguments`` (and ``.initialize``, before 0.19) chain our
   ``extra_args_provider``: every parse (``--help``, the in-process-restart check, the one in
   ``initialize_megatron``) knows ``--chameleon-config`` and the flags of ``COMPONENTS`` (swap,
   fault tolerance, metrics; not the fields of ``UNSUPPORTED``), and the preset's ``megatron``
@@ -38,8 +38,8 @@ from chameleon_megatron.config import (
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import fail
 from chameleon_megatron.megatron.lm_cpu import lm_cpu_platform, set_cpu_defaults
-from chameleon_megatron.megatron.lm_seams import UnsupportedMegatron, check_release
 from chameleon_megatron.megatron.lm_limits import first_refused, ft_limits, swap_limits
+from chameleon_megatron.megatron.lm_seams import UnsupportedMegatron, check_release
 from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
 from chameleon_megatron.training.lm_loop import Leave, Providers
 from chameleon_megatron.preflight import check_launcher, check_metrics_file
@@ -153,8 +153,8 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
                for name in names if not hasattr(m, name)]
     if missing:
         raise RuntimeError(
-            f"this Megatron-LM lacks {', '.join(missing)}; the hook supports 0.16.x, 0.17.x and 0.19.x "
-            "(see patches/README.md)"
+            f"this Megatron-LM lacks {', '.join(missing)}; the hook supports 0.16.x, 0.17.x "
+            "and 0.19.x (see patches/README.md)"
         )
     # 0.16/0.17's initialize imports parse_args by name; 0.19's parses before pretrain()
     for module in (m for m in (arguments, initialize) if hasattr(m, "parse_args")):

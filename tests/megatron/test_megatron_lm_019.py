@@ -134,8 +134,9 @@ def test_an_updated_checkout_is_refused_at_run_time_in_one_line(checkout, update
 def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run(checkout,
                                                                                  tmp_path):
     """PP2 x DP2 on 4 ranks under chameleon-run with --chameleon-ft: rank 1 dies in backward
-    of step 3, the survivors re-plan (to PP1 x DP2), rebuild through 0.19's setup_model_and_optimizer (its
-    config container made again for the new layout) and re-enter its train(). Against
+    of step 3, the survivors re-plan (to PP1 x DP2), rebuild through 0.19's
+    setup_model_and_optimizer (its config container made again for the new layout) and
+    re-enter its train(). Against
     Megatron-LM's failure-free run of the same job (torchrun, no fault tolerance): every step
     once, every loss within 1e-4."""
     from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
