@@ -3,7 +3,7 @@
 The patch rebinds ``pretrain = wrap_pretrain(pretrain)`` at the top of the script's
 ``__main__`` block. From then on:
 
-* ``parse_args`` of ``megatron.training.arguments`` and ``.initialize`` chain our
+* ``parse_args`` of ``megatron.training.arguments`` (and ``.initialize``, before 0.19) chain our
   ``extra_args_provider``: every parse (``--help``, the in-process-restart check, the one in
   ``initialize_megatron``) knows ``--chameleon-config`` and the flags of ``COMPONENTS`` (swap,
   fault tolerance, metrics; not the fields of ``UNSUPPORTED``), and the preset's ``megatron``
@@ -39,6 +39,7 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import fail
 from chameleon_megatron.megatron.lm_cpu import lm_cpu_platform, set_cpu_defaults
 from chameleon_megatron.megatron.lm_limits import first_refused, ft_limits, swap_limits
+from chameleon_megatron.megatron.lm_seams import UnsupportedMegatron, check_release
 from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
 from chameleon_megatron.training.lm_loop import Leave, Providers
 from chameleon_megatron.preflight import check_launcher, check_metrics_file
@@ -150,28 +151,32 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     )
 
     missing = [f"{m.__name__}.{name}" for m, names in
-               ((arguments, ("parse_args",)), (initialize, ("parse_args",)), (training, USED))
+               ((arguments, ("parse_args",)), (training, USED))
                for name in names if not hasattr(m, name)]
     if missing:
         raise RuntimeError(
-            f"this Megatron-LM lacks {', '.join(missing)}; the hook supports 0.16.x and 0.17.x "
-            "(see patches/README.md)"
+            f"this Megatron-LM lacks {', '.join(missing)}; the hook supports 0.16.x, 0.17.x "
+            "and 0.19.x (see patches/README.md)"
         )
-    for module in (arguments, initialize):
+    # 0.16/0.17's initialize imports parse_args by name; 0.19's parses before pretrain()
+    for module in (m for m in (arguments, initialize) if hasattr(m, "parse_args")):
         if not getattr(module.parse_args, _CHAINED, False):
             check_parse_args(module.parse_args)
             module.parse_args = with_chameleon_args(module.parse_args)
 
+    from megatron.core import package_info
+
+    try:  # a checkout updated after patches/apply.py patched it
+        check_release(str(package_info.__version__), training, pretrain)
+    except UnsupportedMegatron as exc:
+        raise fail(PROG, f"{exc}; see patches/README.md") from None
     signature = inspect.signature(pretrain)
-    missing = [name for name in PRETRAIN_PARAMS if name not in signature.parameters]
-    if missing:
-        raise RuntimeError(f"this Megatron-LM's pretrain() has no parameter {missing[0]!r}; "
-                           "the hook rebuilds the model and data through it")
 
     @functools.wraps(pretrain)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         named = signature.bind(*args, **kwargs).arguments
-        providers = Providers(*(named[name] for name in PRETRAIN_PARAMS))
+        # 0.19's pretrain_gpt.py passes no model_provider (its config container builds one)
+        providers = Providers(*(named.get(name) for name in PRETRAIN_PARAMS))
         end_with_agent()  # under chameleon-run: no worker outlives its agent
         with lm_cpu_platform(training, initialize), \
                 MegatronLMHook(training, plugins_for, providers).installed():

@@ -27,9 +27,11 @@ from pathlib import Path
 SCRIPT = "pretrain_gpt.py"
 VERSION_FILE = "megatron/core/package_info.py"
 # Megatron-LM (major, minor) releases whose pretrain_gpt.py and megatron/training seams
-# (setup_model_and_optimizer, train_step, get_forward_backward_func) were checked:
-# core_v0.16.1 and core_v0.17.1 (tested end to end on CPU), core_v0.16.0 (by reading).
-SUPPORTED = ((0, 16), (0, 17))
+# (setup_model_and_optimizer, train, train_step, get_forward_backward_func) were checked:
+# core_v0.16.1, core_v0.17.1 and core_v0.19.0 (tested end to end on CPU), core_v0.16.0 (by
+# reading). chameleon_megatron/megatron/lm_seams.py checks the same at run time (it keeps
+# its own copy: this script imports nothing of the project).
+SUPPORTED = ((0, 16), (0, 17), (0, 19))
 
 BEGIN = "# >>> chameleon-megatron (patches/apply.py) >>>"
 END = "# <<< chameleon-megatron <<<"

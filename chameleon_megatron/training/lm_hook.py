@@ -39,6 +39,7 @@ import torch
 
 from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
+from chameleon_megatron.megatron.lm_seams import setup_for_rebuild
 from chameleon_megatron.training.lm_loop import LMLoop, Providers
 from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
 from chameleon_megatron.training.plugin import (
@@ -109,7 +110,7 @@ class MegatronLMHook:
                 self._metrics.write(run_record(torch.distributed.get_world_size(),
                                                self._training.get_args(), _megatron_version()))
             self.loop = LMLoop(
-                self._training, self.plugins, self._providers, setup=original,
+                self._training, self.plugins, self._providers, setup=setup_for_rebuild(original),
                 build_iterators=self._originals["build_train_valid_test_data_iterators"],
                 announce=self._announce, emit=self._emit,
                 new_world=self._new_world)

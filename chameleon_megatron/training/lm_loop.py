@@ -144,7 +144,7 @@ class LMLoop(LoopPosition):
               model: list[Any], optimizer: Any, scheduler: Any, train_iterator: Any,
               valid_iterator: Any, process_non_loss_data_func: Any, config: Any,
               checkpointing_context: Any, non_loss_data_func: Any = None,
-              *rest: Any) -> tuple[int, float]:
+              *rest: Any, **named: Any) -> tuple[int, float]:
         """Megatron-LM's ``train()`` (``original``), re-entered after every recovery."""
         entry = Entry(forward_step_func, process_non_loss_data_func, checkpointing_context,
                       non_loss_data_func)
@@ -167,7 +167,7 @@ class LMLoop(LoopPosition):
                                       self.scheduler, self.current(train_iterator),
                                       self.current(valid_iterator), process_non_loss_data_func,
                                       self.config, checkpointing_context, non_loss_data_func,
-                                      *rest)
+                                      *rest, **named)
                     self._ended_at, start = self.iteration, END_OF_JOB[0]
                 self._end_of_job(entry, start)
                 self._returned = True

@@ -30,10 +30,16 @@ needs_real = pytest.mark.skipif(
                      "repository (shared/megatron-lm)")
 
 
-def copy_checkout(dest: Path) -> tuple[Path, dict]:
-    """A writable copy of the real checkout at ``dest`` (the original is never written), and
-    the environment that imports its ``megatron`` and this repository."""
-    shutil.copytree(REAL, dest, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+SHARED_019 = REPO.parent / "shared" / "megatron-lm-0.19"
+REAL_019 = os.environ.get("CHAMELEON_MEGATRON_LM_019") or (
+    str(SHARED_019) if SHARED_019.is_dir() else None)
+"""Megatron-LM core_v0.19.0, the current release (Python >= 3.12)."""
+
+
+def copy_checkout(dest: Path, source: str | None = REAL) -> tuple[Path, dict]:
+    """A writable copy of the real checkout (``source``) at ``dest`` (the original is never
+    written), and the environment that imports its ``megatron`` and this repository."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(".git", "__pycache__"))
     for path in [dest, *dest.rglob("*")]:
         path.chmod(path.stat().st_mode | 0o200)  # the shared checkout is read-only
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -85,7 +85,7 @@ def test_outdated_block_is_refreshed(tmp_path):
 def test_unknown_version_is_refused(tmp_path, minor):
     ckpt = make_checkout(tmp_path, minor=minor)
     original = script_bytes(ckpt)
-    with pytest.raises(patch.PatchError, match=rf"0\.{minor}\.1 is not supported \(supported: 0\.16\.x, 0\.17\.x\)"):
+    with pytest.raises(patch.PatchError, match=rf"0\.{minor}\.1 is not supported \(supported: 0\.16\.x, 0\.17\.x, 0\.19\.x\)"):
         patch.apply(ckpt)
     assert script_bytes(ckpt) == original
 

@@ -148,21 +148,21 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
                     train_data_iterator=train_data_iterator)
 
 
-def setup_model_and_optimizer(model_provider, model_type, checkpointing_context=None):
+def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_context=None):
     return [torch.nn.Linear(2, 2)], "optimizer", "scheduler"
 
 
-def build_train_valid_test_data_iterators(provider):
+def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
     return iter(()), iter(()), None
 
 
-def get_forward_backward_func():
+def get_forward_backward_func(pp_size=None, vp_size=None):
     def forward_backward(*, forward_step_func, forward_only=False):
         return []
     return forward_backward
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config,
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                forward_backward_func, iteration=None):
     forward_backward_func(forward_step_func=forward_step_func, forward_only=False)
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1

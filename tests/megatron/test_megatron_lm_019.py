@@ -1,0 +1,152 @@
+"""Megatron-LM core_v0.19.0, the current release, through patches/apply.py on Python 3.12
+(.venv312, scripts/setup_env312.sh; CHAMELEON_MEGATRON_LM_019, else ../shared/megatron-lm-0.19
+next to the repository): the patch round trip and ``--help``, README's recipe with swap
+against the same run without swap, and the run-time refusal of a checkout whose release or
+seams were not checked."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lm_support import REAL_019, copy_checkout, patch, script_bytes  # noqa: E402
+from test_megatron_lm_real import USER_FLAGS, iterations, readme_recipe  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(sys.version_info < (3, 12), reason=(
+        "Megatron-LM 0.19 needs Python >= 3.12 (it imports typing.override): run with "
+        ".venv312/bin/python (scripts/setup_env312.sh)")),
+    pytest.mark.skipif(not REAL_019, reason=(
+        "no Megatron-LM 0.19 checkout: set CHAMELEON_MEGATRON_LM_019 or put one next to the "
+        "repository (shared/megatron-lm-0.19)")),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A copy of the 0.19 checkout (the original is never written)."""
+    return copy_checkout(tmp_path / "Megatron-LM", REAL_019)
+
+
+def test_patch_round_trip_and_help(checkout):
+    ckpt, env = checkout
+    original = script_bytes(ckpt)
+    assert patch.megatron_version(ckpt)[:2] == (0, 19)
+    assert patch.status(ckpt) == "unpatched"
+    assert "+    pretrain = _chameleon_wrap(pretrain)" in patch.diff(ckpt).splitlines()
+    assert patch.apply(ckpt) is True
+    assert patch.apply(ckpt) is False
+    assert patch.status(ckpt) == "patched"
+    # 0.19 parses its arguments in __main__, before pretrain(): the flags reach that parse, and
+    # Chameleon's check of them ends the run in one line. (Its --help cannot show them: 0.19's
+    # own help text of --moe-paged-stash-buffer-size-factor-cuda, "10%)", breaks argparse.)
+    run = subprocess.run([sys.executable, "pretrain_gpt.py", *USER_FLAGS, "--chameleon-swap",
+                          "--chameleon-swap-budget-fraction", "2"], env=env, cwd=ckpt,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("pretrain_gpt.py: error: "), errors
+    assert "swap.budget_fraction=2.0" in errors[0] and "Traceback" not in run.stderr
+    assert patch.remove(ckpt) is True
+    assert script_bytes(ckpt) == original
+    assert patch.status(ckpt) == "unpatched"
+
+
+def run_job(ckpt: Path, env: dict, *flags: str) -> str:
+    """pretrain_gpt.py under torchrun on 2 CPU ranks; its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "pretrain_gpt.py", *USER_FLAGS, *flags]
+    run = subprocess.Popen(cmd, env=env, cwd=ckpt, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log = run.communicate(timeout=280)[0]
+    finally:  # torchrun's workers go with it
+        if run.poll() is None:
+            os.killpg(run.pid, 9)
+            run.wait()
+    assert run.returncode == 0, log[-6000:]
+    return log
+
+
+@pytest.mark.serial
+def test_readme_recipe_swap_is_bitwise_the_run_without_swap(checkout):
+    """README's recipe (PP2, swap) as written on 0.19; the same job without swap gives the
+    same losses bit for bit, and Megatron-LM's own log agrees."""
+    ckpt, env = checkout
+    _, apply, train = readme_recipe()
+    here = {**env, "PATH": os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])}
+    for command, cwd in ((apply, Path(patch.__file__).parents[1]), (train, ckpt)):
+        run = subprocess.run(["bash", "-c", command.replace("/path/to/Megatron-LM", str(ckpt))],
+                             cwd=cwd, env=here, capture_output=True, text=True, timeout=280)
+        assert run.returncode == 0, (command, (run.stdout + run.stderr)[-6000:])
+    swapped = iterations(ckpt / "runs" / "swap.jsonl")
+    assert all(r["swap"]["swapped_out_bytes"] > 0 for r in swapped[1:])
+    log = run_job(ckpt, env, "--pipeline-model-parallel-size", "2",
+            "--chameleon-metrics-file", str(ckpt / "runs" / "plain.jsonl"))
+    plain = iterations(ckpt / "runs" / "plain.jsonl")
+    assert [(r["iteration"], r["consumed_samples"], r["layout"]) for r in plain] == [
+        (i, 8 * i, {"tp": 1, "pp": 2, "vpp": 1, "dp": 1}) for i in (1, 2, 3, 4)]
+    assert [r["loss"] for r in swapped] == [r["loss"] for r in plain]
+    assert "no CUDA: Megatron-LM's training runs on the CPU (gloo)" in log
+    for i in (0, 2):  # Megatron-LM's own lines for iterations 1 and 3 (one step each)
+        assert f"lm loss: {plain[i]['loss']:.6E}" in log
+
+
+def _bump_minor(ckpt: Path) -> None:
+    info = ckpt / "megatron" / "core" / "package_info.py"
+    info.write_text(re.sub(r"^MINOR = \d+", "MINOR = 20", info.read_text(), flags=re.M))
+
+
+def _rename_train_param(ckpt: Path) -> None:
+    training = ckpt / "megatron" / "training" / "training.py"
+    text = training.read_text()
+    assert text.count("def train(\n    forward_step_func,\n    model,") == 1
+    training.write_text(text.replace("def train(\n    forward_step_func,\n    model,",
+                                     "def train(\n    forward_step_func,\n    models,"))
+
+
+@pytest.mark.parametrize("update, message", [
+    (_bump_minor, "Megatron-LM 0.20.1 is not supported (supported: 0.16.x, 0.17.x, 0.19.x)"),
+    (_rename_train_param, "Megatron-LM 0.19.1: train(forward_step_func, models, "),
+])
+def test_an_updated_checkout_is_refused_at_run_time_in_one_line(checkout, update, message):
+    """Patched as 0.19, then changed (a newer release, a seam's signature): pretrain_gpt.py
+    stops before any work, one line, exit 2."""
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    update(ckpt)
+    run = subprocess.run([sys.executable, "pretrain_gpt.py", *USER_FLAGS], env=env, cwd=ckpt,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("pretrain_gpt.py: error: "), errors
+    assert message in errors[0] and "Traceback" not in run.stderr
+
+
+@pytest.mark.serial
+def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run(checkout,
+                                                                                 tmp_path):
+    """PP2 x DP2 on 4 ranks under chameleon-run with --chameleon-ft: rank 1 dies in backward
+    of step 3, the survivors re-plan (to PP1 x DP2), rebuild through 0.19's
+    setup_model_and_optimizer (its config container made again for the new layout) and
+    re-enter its train(). Against
+    Megatron-LM's failure-free run of the same job (torchrun, no fault tolerance): every step
+    once, every loss within 1e-4."""
+    from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
+
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    steps, done = killed_against_plain(checkout, tmp_path, JOB,
+                                       "rank=1,iteration=3,phase=backward,kind=exit",
+                                       abs=TOLERANCE)
+    assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
+    assert done["migrated_bytes"] > 0  # the state came from the surviving replica
+    # the new layout (PP1 x DP2, one spare) is a model the config container had to describe anew
+    assert [(r["layout"]["pp"], r["layout"]["dp"]) for r in steps] == [(2, 2)] * 2 + [(1, 2)] * 4
