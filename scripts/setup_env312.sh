@@ -6,7 +6,20 @@
 # wheel here satisfies the project's install_requires and matches the checkout's tag.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON312:-python3.12}
+# PYTHON312, else python3.12 on PATH, else pyenv's 3.12 (its shim answers only where selected).
+PYTHON=${PYTHON312:-}
+if [ -z "$PYTHON" ] && python3.12 --version >/dev/null 2>&1; then
+    PYTHON=python3.12
+fi
+if [ -z "$PYTHON" ]; then
+    for candidate in "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
+        [ -x "$candidate" ] && PYTHON=$candidate
+    done
+fi
+if [ -z "$PYTHON" ]; then
+    echo "setup_env312.sh: no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2
+    exit 1
+fi
 if [ ! -x .venv312/bin/python ]; then
     "$PYTHON" -m venv .venv312
 fi

@@ -178,7 +178,7 @@ def test_chain_providers_keeps_order_and_skips_none():
 
 MARGS = argparse.Namespace(num_layers_per_virtual_pipeline_stage=None, rampup_batch_size=None,
                            use_distributed_optimizer=False, optimizer="adam",
-                           expert_model_parallel_size=1)
+                           expert_model_parallel_size=1, train_iters=10)
 
 
 def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):

@@ -73,7 +73,7 @@ class Megatron:
         self.args = argparse.Namespace(
             iteration=0, curr_iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
             num_floating_point_operations_so_far=0.0, train_iters=4, eval_interval=2, eval_iters=1,
-            do_valid=True, save=None, save_interval=None, load=None)
+            do_valid=True, skip_train=False, save=None, save_interval=None, load=None)
         self.fail = dict(fail or {})
         self.timers = Timers()
         self.entries: list[tuple[int, int, object]] = []
@@ -190,7 +190,8 @@ def test_a_failed_evaluation_is_redone_from_the_samples_it_started_at():
     plugin = Resume()
     run(fake, [plugin])
     assert plugin.seen == [(2, 16, "eval")]  # the recovery agrees on the phase
-    assert fake.evals == [2, 4] and fake.steps == [1, 2, 3, 4]
+    # Steps 2 and 4 evaluate (eval_interval 2); then pretrain()'s final validation at 4.
+    assert fake.evals == [2, 4, 4] and fake.steps == [1, 2, 3, 4]
     # Megatron-LM would derive 8 validation samples from "iteration 2, none consumed":
     # the iterators are built as at step 0, from the 0 samples the evaluation started at.
     assert fake.built[-1] == (0, 16, 0) and fake.args.iteration == 2
