@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -269,10 +270,12 @@ def launch_job(mode: str, nproc: int, dry_run: bool, broken: bool, timeout_s: fl
                 os.killpg(proc.pid, signal.SIGKILL)
         log.seek(0)
         tail = log.read()[-3000:]
-    if code != 0:
+    if code != 0:  # its directory is kept, for the whole log
         why = f"timed out after {timeout_s} s" if code is None else f"exit status {code}"
-        raise RuntimeError(f"{mode} job: {why}: {tail}")
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
+        raise RuntimeError(f"{mode} job ({out}): {why}: {tail}")
+    records = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
+    shutil.rmtree(out, ignore_errors=True)
+    return records
 
 
 def grad_sync(dry_run: bool, broken: bool) -> dict[str, Any]:
