@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -203,7 +204,7 @@ def run_nodes(tmp: Path, plan: list[str], events: NodeEvents) -> tuple[list, dic
                                      logs[-1]))
         _wait_for(lambda: _last_step(tmp) > events.kill_after, agents, STALL_S, "kill step",
                   tmp)
-        os.kill(agents[events.node].pid, signal.SIGKILL)
+        _lose_node(agents[events.node].pid)
         job = JobStore.connect("127.0.0.1", port, "soak", timeout_s=60)
         others = [a for g, a in enumerate(agents) if g != events.node]
         _wait_for(lambda: any(f.reason == "node" for f in read_failures(job)), others, 120,
@@ -216,6 +217,27 @@ def run_nodes(tmp: Path, plan: list[str], events: NodeEvents) -> tuple[list, dic
             stop(agent)
     (tmp / "log").write_text("".join(p.read_text() for p in logs if p.exists()))
     return outcome(tmp)
+
+
+def _lose_node(agent: int) -> None:
+    """SIGKILL a node's agent; its workers die with it (``with_agent``), and then whatever
+    they left in their sessions (megatron's checkpoint writer's manager): a lost host
+    keeps no process, and none may outlive the test."""
+    workers = [child.pid for child in psutil.Process(agent).children()]
+    os.kill(agent, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _last_step(tmp: Path) -> int:
