@@ -279,7 +279,8 @@ class RecoveryController:
         while True:
             if self._recover(trainer, held, timeouts, started):
                 return "redo"
-            if wait_as_spare(self.job, self.generation, on_wait=self.detector.beat) == "done":
+            if wait_as_spare(self.job, self.generation, active=self.active,
+                             on_wait=self.detector.beat) == "done":
                 # A spare holds no part of the model: it must not join the final checkpoint.
                 trainer.drop_final_save()
                 return "stop"

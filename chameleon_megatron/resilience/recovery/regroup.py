@@ -141,17 +141,25 @@ def recovery_group(job: JobStore, membership: Membership, me: int, *, timeout_s:
                                           timeout_s=timeout_s)
 
 
-def wait_as_spare(job: JobStore, generation: int, *, on_wait: Callable[[], None],
+def wait_as_spare(job: JobStore, generation: int, *, active: Iterable[int],
+                  on_wait: Callable[[], None],
                   poll_s: float = 0.2) -> Literal["rejoin", "done"]:
     """A spare of ``generation`` idles until it must join the next generation (an active
-    member opened it) or the job ends. A failure alone is no reason to rejoin: when a spare
-    dies, no active member notices, and nobody else would come."""
+    member opened it, or every ``active`` member is announced failed: none is left to open
+    it) or the job ends. Another failure alone is no reason to rejoin: when a spare dies,
+    no active member notices, and nobody else would come."""
     groups.destroy()
     following = job.scoped(f"gen/{generation + 1}")
+    active = frozenset(active)
     while True:
         if following.check(["opened"]):
             return "rejoin"
         if job.is_done():
             return "done"
+        if active and active <= failed_ranks(job):
+            logger.warning({"event": "actives_lost", "generation": generation,
+                            "active": sorted(active),
+                            "next": "the spares open the next generation"})
+            return "rejoin"
         on_wait()
         time.sleep(poll_s)

@@ -262,7 +262,7 @@ def test_a_spare_rejoins_when_the_next_generation_opens_not_on_a_failure_alone()
     job = JobStore(dist.HashStore(), "run")
     result: list[str] = []
     spare = threading.Thread(target=lambda: result.append(
-        wait_as_spare(job, 1, on_wait=lambda: None, poll_s=0.01)))
+        wait_as_spare(job, 1, active=(0, 1), on_wait=lambda: None, poll_s=0.01)))
     spare.start()
     announce(job, FailureRecord(rank=5, time=time.time(), reason="exit", exitcode=1))
     time.sleep(0.2)
@@ -271,12 +271,32 @@ def test_a_spare_rejoins_when_the_next_generation_opens_not_on_a_failure_alone()
     spare.join(timeout=5)
     assert result == ["rejoin"]
     job.mark_done()
-    assert wait_as_spare(job, 2, on_wait=lambda: None) == "done"
+    assert wait_as_spare(job, 2, active=(0, 1), on_wait=lambda: None) == "done"
+
+
+def test_spares_rejoin_when_every_active_member_failed() -> None:
+    """With every active member gone nobody opens the next generation: the spares must
+    (soak seed 611463 re-planned onto one rank with six spares; that rank's death stalled
+    the job)."""
+    job = JobStore(dist.HashStore(), "run")
+    result: list[str] = []
+    spare = threading.Thread(target=lambda: result.append(
+        wait_as_spare(job, 1, active=(0, 1), on_wait=lambda: None, poll_s=0.01)))
+    spare.start()
+    announce(job, FailureRecord(rank=0, time=time.time(), reason="exit", exitcode=1))
+    time.sleep(0.2)
+    assert not result  # rank 1 still trains, and opens the next generation when it notices
+    announce(job, FailureRecord(rank=1, time=time.time(), reason="exit", exitcode=1))
+    spare.join(timeout=5)
+    assert result == ["rejoin"]
 
 
 def test_timeouts_take_the_worst_measured_step_the_estimator_the_median() -> None:
     timer = StepTimer(steps=2)
-    for seconds in (9.0, 1.0, 3.0, 1.2, 1.1):  # warm-up, then the window, then more
+    assert (timer.step_time, timer.typical) == (None, None)
+    timer.record(9.0)  # warm-up: until another step is measured, it is the typical one
+    assert (timer.step_time, timer.typical) == (None, 9.0)
+    for seconds in (1.0, 3.0, 1.2, 1.1):  # the window, then more
         timer.record(seconds)
     assert (timer.step_time, timer.typical) == (3.0, 1.15)
     timer.reset()

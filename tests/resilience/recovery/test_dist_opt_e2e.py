@@ -161,10 +161,13 @@ def test_a_rerouted_job_recovers_again_from_the_plans_shard_copies(tmp_path: Pat
             assert abs(r["loss"] - want) <= 1e-4 * abs(want), (r["iteration"], r["loss"], want)
     first, second = [r for r in recs if r["event"] == "recovery"]
     assert first["layout_after"]["mode"] == "reroute", first["layout_after"]
+    # Step 2's copies may still be in flight at step 3 (on a loaded machine): then the job
+    # resumes from step 0's.
+    before = assert_resumed_from_copies(first, newest=2, interval=2, failed=0, fail_at=3)
     assert (second["failed_ranks"], second["fallback"]) == ([3], None), log[-4000:]
     resumed = assert_resumed_from_copies(second, newest=4, interval=2, failed=3, fail_at=6)
     seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
-    assert seen == [1, 2, 3, 4, 5, *range(resumed + 1, 9)], seen
+    assert seen == [1, 2, *range(before + 1, 6), *range(resumed + 1, 9)], seen
     assert_same_state(combine_pieces({0: ref_dump}), combine_pieces(dumps), rtol=1e-4)
 
 

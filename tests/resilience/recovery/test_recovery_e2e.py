@@ -106,6 +106,35 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
     assert_same_state(combine([ref_dump]), combine([dumps[r] for r in range(4)]))
 
 
+def test_the_spares_go_on_when_every_active_rank_fails(reference, tmp_path: Path) -> None:
+    """DP2 x PP2 on a profile where every link is slow: rank 3 dies in step 3 and the
+    survivors re-plan onto one rank (0), ranks 1 and 2 wait as spares. Rank 0 dies in step
+    6: no active rank is left to open the next generation, so the spares open it (before,
+    they waited for an invitation that never came and the job stalled: soak seed 611463).
+    They hold no state: they load step 4's checkpoint (one of them trains, as before) and
+    redo steps 5 to 8, with the reference's losses and final state."""
+    ref_losses, ref_dump = reference
+    profile = write_profile(tmp_path / "profile.json", favour="dp", tp=1,
+                            allreduce_bandwidth_Bps=1e3)
+    recs, dumps, log = launch(tmp_path, 4, [
+        "--pipeline-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"),
+        "--save-interval", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
+        "--chameleon-ft-profile", str(profile),
+        *faults("rank=3,iteration=3,phase=forward,kind=exit",
+                "rank=0,iteration=6,phase=forward,kind=exit")], timeout_s=300)
+    assert assert_losses_match(recs, ref_losses) == [1, 2, 3, 4, 5, 5, 6, 7, 8], log[-4000:]
+    first, second = [r for r in recs if r["event"] == "recovery"]
+    assert (first["failed_ranks"], first["layout_after"]["ranks"], first["spares"]) == (
+        [3], [0], [1, 2]), first
+    assert (second["failed_ranks"], second["redo_iteration"], second["fallback"]) == (
+        [0], 5, "checkpoint"), second
+    assert second["state_from"] == {"source": "checkpoint"}
+    assert "actives_lost" in log
+    survivors = second["layout_after"]["ranks"]  # one again, the other a spare
+    assert sorted(survivors + second["spares"]) == [1, 2], second
+    assert_same_state(combine([ref_dump]), combine([dumps[r] for r in survivors]))
+
+
 def test_a_kept_layout_refreshes_the_survivor_that_missed_the_last_step(
         reference, tmp_path: Path) -> None:
     """DP2 x PP2, pipelines (0, 2) and (1, 3). Rank 3 dies after step 3's gradient

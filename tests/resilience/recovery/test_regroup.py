@@ -71,7 +71,8 @@ def worker_main(out: Path) -> int:
             assert detector.wait_for_events(timeout_s=20).failures, "no failure announced"
         else:
             log.append({"gen": generation, "spare": True})
-            if wait_as_spare(job, generation, on_wait=detector.beat) == "done":
+            if wait_as_spare(job, generation, active=members[:ACTIVE],
+                             on_wait=detector.beat) == "done":
                 break
             detector.new_failures()
         generation += 1
