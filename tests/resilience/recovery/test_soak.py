@@ -80,7 +80,12 @@ the ranks that had joined: a joiner counted every failure before its invitation 
 so its first recovery dated from the job's first failure and tripled into its windows. The
 members suspected the joiners stuck in a rendezvous that outlived theirs, and the job
 stalled. A joiner now starts from the failures its inviting generation agreed on
-(``regroup.failed_before``)."""
+(``regroup.failed_before``). Its next CI run found a second bug: rank 7 died in step 2, and
+the decision, with no step measured after the warm-up one, took compute as nearly free and
+kept one of seven survivors (six spares); that rank died in step 20's save and the spares
+waited for an invitation no active member was left to send. Spares now open the next
+generation when every active member is announced failed, and the warm-up step calibrates a
+decision until another step is measured."""
 
 
 def schedule(seed: int) -> list[str]:
