@@ -9,6 +9,7 @@ PY=${GPU_PYTHON_VERSION:-3.12}
 MCORE=${GPU_MEGATRON_CORE:-megatron-core==0.16.1}
 mkdir -p gpu_wheels
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform any \
     -d gpu_wheels "$MCORE" packaging psutil pytest pluggy iniconfig pytest-timeout
 ls -l gpu_wheels
