@@ -76,7 +76,7 @@ def build(a: argparse.Namespace, layers: int, device: torch.device, **extra: Any
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, **extra)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=a.vocab, max_sequence_length=a.seq).to(device)
+                     vocab_size=a.vocab, max_sequence_length=a.seq).to(device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     return model, opt
 

@@ -139,7 +139,7 @@ def _gpt(device: torch.device, dry_run: bool):
         apply_rope_fusion=False, persist_layer_norm=False)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=4096 if not dry_run else 256, max_sequence_length=seq)
-    return model.to(device), seq
+    return model.to(device=device, dtype=dtype), seq  # every parameter, norms too (as Float16Module)
 
 
 def _step(model: torch.nn.Module, seq: int, step: int, device: torch.device,

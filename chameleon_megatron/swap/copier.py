@@ -9,6 +9,8 @@ only when the tensor is needed, and never blocks the host on the hot path.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Any
 
@@ -123,13 +125,24 @@ def register_host(buf: torch.Tensor) -> None:
     if buf.numel():
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed (error {err})")
+            _clear_last_error()
+            raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed "
+                               f"(error {int(err)})")
 
 
-def unregister_host(buf: torch.Tensor) -> None:
-    """Undo ``register_host`` (before the memory is freed)."""
-    if buf.numel():
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+def unregister_host(ptr: int, nbytes: int) -> None:
+    """Undo ``register_host`` of the buffer at ``ptr`` (before its memory is freed)."""
+    if nbytes:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_last_error()
+
+
+def _clear_last_error() -> None:
+    """A failed runtime call leaves its error pending, and torch raises it at its next
+    kernel launch, wherever that is (seen on a lent H200: "invalid argument" from a later
+    ``model.to``). torch's bindings have no cudaGetLastError: a launch reads and clears it."""
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def copier_for(device: torch.device) -> SyncCopier:

@@ -6,16 +6,22 @@ are ordinary host tensors registered with CUDA on exactly their size and unregis
 the pool drops them: torch's pinned-memory allocator would round each up to a power of two
 and keep it for the rest of the process, beyond any bound of the pool. ``reserve`` makes the
 buffers a new plan needs before its first step, so that registering (slow) happens between
-steps rather than inside the forward pass.
+steps rather than inside the forward pass. Where CUDA refuses to register memory (seen on a
+lent H200 under gVisor), the buffer stays pageable: its copies no longer overlap, but the
+step is the same; the pool says so once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Iterable
 
 import torch
 
 from chameleon_megatron.swap.copier import register_host, unregister_host
+
+logger = logging.getLogger(__name__)
 
 
 class HostPool:
@@ -31,6 +37,10 @@ class HostPool:
         self.live_bytes = 0
         self.allocated = 0
         """Buffers ever allocated (a steady workload stops allocating after its first step)."""
+        self._pinned: dict[int, int] = {}
+        """Data pointer -> size of each buffer registered with CUDA."""
+        self.unpinned = 0
+        """Buffers CUDA refused to register (pageable: their copies do not overlap)."""
 
     @property
     def held_bytes(self) -> int:
@@ -89,10 +99,29 @@ class HostPool:
     def _new(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if self.pin:
-            register_host(buf)
+            try:
+                register_host(buf)
+                self._pinned[buf.data_ptr()] = nbytes
+            except RuntimeError as exc:
+                if not self.unpinned:
+                    logger.warning("host buffers stay pageable (copies do not overlap): %s", exc)
+                self.unpinned += 1
         self.allocated += 1
         return buf
 
     def _drop(self, buf: torch.Tensor) -> None:
-        if self.pin:
-            unregister_host(buf)
+        if self._pinned.pop(buf.data_ptr(), None) is not None:
+            unregister_host(buf.data_ptr(), buf.numel())
+
+    def close(self) -> None:
+        """Drop the cache and unregister every buffer still registered, those handed out
+        too (they stay valid, pageable): memory freed while registered makes CUDA refuse
+        a later buffer that shares one of its pages."""
+        self.clear()
+        for ptr, nbytes in self._pinned.items():
+            unregister_host(ptr, nbytes)
+        self._pinned.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+            self.close()

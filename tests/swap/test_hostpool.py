@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from chameleon_megatron.swap import hostpool
 from chameleon_megatron.swap.hostpool import HostPool
 
 
@@ -34,3 +35,38 @@ def test_reserve_makes_a_plans_buffers_ahead_within_the_bound() -> None:
     for buf in bufs:
         pool.release(buf)
     assert pool.reserve([300, 300, 200]) == 0
+
+
+def test_a_buffer_cuda_refuses_to_register_stays_pageable(monkeypatch) -> None:
+    """Registering fails on some machines (a lent H200 under gVisor): the buffer is used
+    pageable, never unregistered; the registered ones are unregistered when dropped."""
+    registered, unregistered = [], []
+
+    def register(buf):
+        if len(registered) == 1:
+            raise RuntimeError("cudaHostRegister of 500 bytes failed (error 1)")
+        registered.append(buf.data_ptr())
+
+    monkeypatch.setattr(hostpool, "register_host", register)
+    monkeypatch.setattr(hostpool, "unregister_host",
+                        lambda ptr, nbytes: unregistered.append(ptr))
+    pool = HostPool(pin=True, cache_bytes=0)
+    a, b = pool.acquire(300), pool.acquire(500)
+    assert (len(registered), pool.unpinned, b.numel()) == (1, 1, 500)
+    pool.release(b)
+    assert unregistered == []  # never registered
+    pool.release(a)
+    assert unregistered == registered
+
+
+def test_closing_unregisters_every_buffer_handed_out_or_cached(monkeypatch) -> None:
+    """Memory freed while registered makes CUDA refuse a later buffer sharing one of its
+    pages: a pool that goes away unregisters everything it registered."""
+    registered, unregistered = set(), set()
+    monkeypatch.setattr(hostpool, "register_host", lambda buf: registered.add(buf.data_ptr()))
+    monkeypatch.setattr(hostpool, "unregister_host", lambda ptr, nbytes: unregistered.add(ptr))
+    pool = HostPool(pin=True, cache_bytes=1 << 20)
+    live, cached = pool.acquire(300), pool.acquire(500)
+    pool.release(cached)
+    del pool  # its finalizer closes it
+    assert unregistered == registered == {live.data_ptr(), cached.data_ptr()}
