@@ -90,10 +90,8 @@ def recoveries(records: list[dict]) -> list[dict]:
 def test_two_failures_recover_in_memory_with_the_losses_of_the_failure_free_run(
         checkout, reference, tmp_path):
     """PP2 x DP2 on 4 ranks. Rank 1 dies during the evaluation after step 3: the survivors
-    re-plan (PP1 x DP2, a spare) and redo that evaluation. Rank 2 dies in step 5, the step
-    after the new layout's warm-up: the decision, calibrated on that warm-up step, keeps both
-    survivors (DP2, the spare receiving its state) rather than one alone. Checkpoints are
-    written in every layout."""
+    re-plan and redo that evaluation. Rank 2 dies in step 5: the survivor holding every layer
+    goes on alone. Checkpoints are written in every layout."""
     losses, validation, _ = reference
     records, log = launch(
         checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
@@ -104,7 +102,7 @@ def test_two_failures_recover_in_memory_with_the_losses_of_the_failure_free_run(
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]  # each runs exactly once
     for r in steps:
         assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
-    assert [r["world_size"] for r in steps] == [4, 4, 4, 2, 2, 2]
+    assert [r["world_size"] for r in steps] == [4, 4, 4, 2, 1, 1]
     done = recoveries(records)
     assert [(r["generation"], r["failed_ranks"], r["fallback"], r["redo_iteration"])
             for r in done] == [(1, [1], None, 4), (2, [2], None, 5)]

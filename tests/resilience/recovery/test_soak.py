@@ -84,8 +84,7 @@ stalled. A joiner now starts from the failures its inviting generation agreed on
 the decision, with no step measured after the warm-up one, took compute as nearly free and
 kept one of seven survivors (six spares); that rank died in step 20's save and the spares
 waited for an invitation no active member was left to send. Spares now open the next
-generation when every active member is announced failed, and the warm-up step calibrates a
-decision until another step is measured."""
+generation when every active member is announced failed."""
 
 
 def schedule(seed: int) -> list[str]:
@@ -197,7 +196,7 @@ def run_nodes(tmp: Path, plan: list[str], events: NodeEvents) -> tuple[list, dic
             "--rdzv-id=soak"]
     args = job_args(tmp, PER_NODE, [
         "--pipeline-model-parallel-size", "2", *FLAGS, "--save", str(tmp / "ckpt"),
-        "--save-interval", str(SAVE_EVERY), *FT, "--chameleon-ft-startup-timeout-s", "40",
+        "--save-interval", str(SAVE_EVERY), *FT, "--chameleon-ft-startup-timeout-s", "90",
         "--chameleon-ft-node-timeout-s", "10", "--chameleon-ft-respawns", str(RANKS),
         "--chameleon-ft-respawn-delay-s", "0", *faults(*plan)], ITERS)
     logs = [tmp / f"log{g}" for g in range(NODES)] + [tmp / "log-join"]
