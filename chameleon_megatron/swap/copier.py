@@ -10,7 +10,6 @@ only when the tensor is needed, and never blocks the host on the hot path.
 from __future__ import annotations
 
 import contextlib
-
 import time
 from typing import Any
 
@@ -130,11 +129,10 @@ def register_host(buf: torch.Tensor) -> None:
                                f"(error {int(err)})")
 
 
-def unregister_host(ptr: int, nbytes: int) -> None:
+def unregister_host(ptr: int) -> None:
     """Undo ``register_host`` of the buffer at ``ptr`` (before its memory is freed)."""
-    if nbytes:
-        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-            _clear_last_error()
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _clear_last_error()
 
 
 def _clear_last_error() -> None:

@@ -37,8 +37,8 @@ class HostPool:
         self.live_bytes = 0
         self.allocated = 0
         """Buffers ever allocated (a steady workload stops allocating after its first step)."""
-        self._pinned: dict[int, int] = {}
-        """Data pointer -> size of each buffer registered with CUDA."""
+        self._pinned: set[int] = set()
+        """Data pointers of the buffers registered with CUDA."""
         self.unpinned = 0
         """Buffers CUDA refused to register (pageable: their copies do not overlap)."""
 
@@ -98,10 +98,10 @@ class HostPool:
 
     def _new(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        if self.pin:
+        if self.pin and nbytes:
             try:
                 register_host(buf)
-                self._pinned[buf.data_ptr()] = nbytes
+                self._pinned.add(buf.data_ptr())
             except RuntimeError as exc:
                 if not self.unpinned:
                     logger.warning("host buffers stay pageable (copies do not overlap): %s", exc)
@@ -110,16 +110,17 @@ class HostPool:
         return buf
 
     def _drop(self, buf: torch.Tensor) -> None:
-        if self._pinned.pop(buf.data_ptr(), None) is not None:
-            unregister_host(buf.data_ptr(), buf.numel())
+        if buf.data_ptr() in self._pinned:
+            self._pinned.discard(buf.data_ptr())
+            unregister_host(buf.data_ptr())
 
     def close(self) -> None:
         """Drop the cache and unregister every buffer still registered, those handed out
         too (they stay valid, pageable): memory freed while registered makes CUDA refuse
         a later buffer that shares one of its pages."""
         self.clear()
-        for ptr, nbytes in self._pinned.items():
-            unregister_host(ptr, nbytes)
+        for ptr in self._pinned:
+            unregister_host(ptr)
         self._pinned.clear()
 
     def __del__(self) -> None:

@@ -49,7 +49,7 @@ def test_a_buffer_cuda_refuses_to_register_stays_pageable(monkeypatch) -> None:
 
     monkeypatch.setattr(hostpool, "register_host", register)
     monkeypatch.setattr(hostpool, "unregister_host",
-                        lambda ptr, nbytes: unregistered.append(ptr))
+                        lambda ptr: unregistered.append(ptr))
     pool = HostPool(pin=True, cache_bytes=0)
     a, b = pool.acquire(300), pool.acquire(500)
     assert (len(registered), pool.unpinned, b.numel()) == (1, 1, 500)
@@ -64,7 +64,7 @@ def test_closing_unregisters_every_buffer_handed_out_or_cached(monkeypatch) -> N
     pages: a pool that goes away unregisters everything it registered."""
     registered, unregistered = set(), set()
     monkeypatch.setattr(hostpool, "register_host", lambda buf: registered.add(buf.data_ptr()))
-    monkeypatch.setattr(hostpool, "unregister_host", lambda ptr, nbytes: unregistered.add(ptr))
+    monkeypatch.setattr(hostpool, "unregister_host", lambda ptr: unregistered.add(ptr))
     pool = HostPool(pin=True, cache_bytes=1 << 20)
     live, cached = pool.acquire(300), pool.acquire(500)
     pool.release(cached)

@@ -257,13 +257,19 @@ def test_a_recovery_fault_fires_in_the_recovery_of_its_iteration_only() -> None:
         injector.check(3, "recovery")
 
 
-def test_a_spare_rejoins_when_the_next_generation_opens_not_on_a_failure_alone() -> None:
-    """A spare's death is noticed by no active member: rejoining on it would wait forever."""
+def _spare_waiting(active: tuple[int, ...]) -> tuple[JobStore, threading.Thread, list[str]]:
+    """A spare of generation 1 waiting on a thread; its answer lands in the list."""
     job = JobStore(dist.HashStore(), "run")
     result: list[str] = []
     spare = threading.Thread(target=lambda: result.append(
-        wait_as_spare(job, 1, active=(0, 1), on_wait=lambda: None, poll_s=0.01)))
+        wait_as_spare(job, 1, active=active, on_wait=lambda: None, poll_s=0.01)))
     spare.start()
+    return job, spare, result
+
+
+def test_a_spare_rejoins_when_the_next_generation_opens_not_on_a_failure_alone() -> None:
+    """A spare's death is noticed by no active member: rejoining on it would wait forever."""
+    job, spare, result = _spare_waiting(active=(0, 1))
     announce(job, FailureRecord(rank=5, time=time.time(), reason="exit", exitcode=1))
     time.sleep(0.2)
     assert not result
@@ -278,11 +284,7 @@ def test_spares_rejoin_when_every_active_member_failed() -> None:
     """With every active member gone nobody opens the next generation: the spares must
     (soak seed 611463 re-planned onto one rank with six spares; that rank's death stalled
     the job)."""
-    job = JobStore(dist.HashStore(), "run")
-    result: list[str] = []
-    spare = threading.Thread(target=lambda: result.append(
-        wait_as_spare(job, 1, active=(0, 1), on_wait=lambda: None, poll_s=0.01)))
-    spare.start()
+    job, spare, result = _spare_waiting(active=(0, 1))
     announce(job, FailureRecord(rank=0, time=time.time(), reason="exit", exitcode=1))
     time.sleep(0.2)
     assert not result  # rank 1 still trains, and opens the next generation when it notices
