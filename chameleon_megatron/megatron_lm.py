@@ -199,6 +199,17 @@ def check_parse_args(parse_args: Callable[..., Any]) -> None:
                            "extra_args_provider first; the hook cannot add --chameleon-* flags")
 
 
+def refuse_yaml_cfg(parsed: Any) -> None:
+    """Megatron-LM's experimental ``--yaml-cfg`` replaces the parsed arguments with its
+    file's, dropping every command-line flag (ours too): refused, not half applied."""
+    path = getattr(parsed, "yaml_cfg", None)
+    if path is not None:
+        raise ConfigError(
+            f"--yaml-cfg {path}: Megatron-LM's YAML arguments replace every command-line "
+            "flag, --chameleon-* included; give Megatron-LM's arguments as flags, or in the "
+            "megatron section of a --chameleon-config preset")
+
+
 def with_chameleon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
     """Megatron-LM's ``parse_args`` with our ``extra_args_provider`` chained after the caller's
     (marked, so that it is chained once however often the script wraps ``pretrain``)."""
@@ -209,6 +220,7 @@ def with_chameleon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
         try:
             parsed = parse_args(chain_providers(theirs, extra_args_provider), *args[1:],
                                 **kwargs)
+            refuse_yaml_cfg(parsed)
             check_supported(config_from_args(parsed), parsed)
         except ValueError as exc:  # ConfigError, a malformed preset: one line, exit 2
             raise fail(PROG, str(exc).splitlines()[0]) from None

@@ -3,8 +3,9 @@
 Each host is a namespace with its own loopback and one veth link to a bridge in the root
 namespace, with its own address (10.<net>.0.<i+1>/24). ``Host.cut`` takes the host's link
 down on the bridge side (packets vanish, as when a cable or a switch port fails: no reset
-reaches either side), ``Host.restore`` brings it back. Needs root and ``ip``; ``hosts``
-skips the test otherwise.
+reaches either side), ``Host.restore`` brings it back. Each host gets an /etc/hosts naming
+every host (``ip netns exec`` mounts /etc/netns/<ns>/hosts over it), so that c10d can name
+the peers of its sockets. Needs root and ``ip``; ``hosts`` skips the test otherwise.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ def available() -> str | None:
     return None
 
 
+def _name_hosts(made: list[Host]) -> None:
+    """Every host's /etc/hosts: loopback and each host's address under its namespace name,
+    also in its IPv4-mapped IPv6 form (c10d's server socket is dual-stack: it sees its
+    clients as ::ffff:a.b.c.d, which an IPv4 line does not name)."""
+    lines = ["127.0.0.1 localhost",
+             *(f"{a}{h.addr} {h.ns}" for h in made for a in ("", "::ffff:"))]
+    for host in made:
+        os.makedirs(f"/etc/netns/{host.ns}", exist_ok=True)
+        with open(f"/etc/netns/{host.ns}/hosts", "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 @contextlib.contextmanager
 def hosts(count: int) -> Iterator[list[Host]]:
     """``count`` hosts on one bridge; every namespace and link is removed on exit."""
@@ -92,9 +105,11 @@ def hosts(count: int) -> Iterator[list[Host]]:
             _ip(*inside, "link", "set", "lo", "up")
             _ip("link", "set", host.link, "master", bridge)
             _ip("link", "set", host.link, "up")
+        _name_hosts(made)
         yield made
     finally:
         for host in made:
+            shutil.rmtree(f"/etc/netns/{host.ns}", ignore_errors=True)
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", host.ns)
             with contextlib.suppress(subprocess.CalledProcessError):

@@ -199,6 +199,28 @@ class LMLoop(LoopPosition):
             return "redo"
         return next((a for p in self.plugins if (a := p.abandon_step(exc, self))), None)
 
+    @property
+    def valid_samples(self) -> int:
+        """The validation position where the evaluation this rank is inside began."""
+        if self.after_step == "eval" and self._valid_mark[0] == self.iteration:
+            return self._valid_mark[1]
+        if self.after_step == "final-eval":
+            return self._final_valid
+        return self._training.get_args().consumed_valid_samples
+
+    def resume_at(self, *, iteration: int, consumed_samples: int,
+                  scheduler_state: dict[str, Any], after_step: str = "",
+                  valid_samples: int) -> None:
+        super().resume_at(iteration=iteration, consumed_samples=consumed_samples,
+                          scheduler_state=scheduler_state, after_step=after_step,
+                          valid_samples=valid_samples)
+        # A spare made active never evaluated: it takes the survivors' position.
+        self._training.get_args().consumed_valid_samples = valid_samples
+        if after_step == "eval":
+            self._valid_mark = (iteration, valid_samples)
+        if after_step == "final-eval":
+            self._final_valid = valid_samples
+
     def _reentry(self) -> None:
         """Where train() starts again: the agreed step, its sample, fresh data iterators."""
         args = self._training.get_args()

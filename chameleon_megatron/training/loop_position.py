@@ -54,8 +54,14 @@ class LoopPosition:
     def rank(self) -> int:
         raise NotImplementedError
 
+    @property
+    def valid_samples(self) -> int:
+        """Our trainer evaluates the same validation batches every time: no position."""
+        return 0
+
     def resume_at(self, *, iteration: int, consumed_samples: int,
-                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
+                  scheduler_state: dict[str, Any], after_step: str = "",
+                  valid_samples: int) -> None:
         self.iteration, self.consumed_samples = iteration, consumed_samples
         self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
         self._redo_after = after_step

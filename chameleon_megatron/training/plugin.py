@@ -73,6 +73,8 @@ class TrainerHandle(Protocol):
     after_step: str
     """The work after step ``iteration`` (one of ``WORK_ORDER``) this rank is inside; ""
     in a step or between steps (read only)."""
+    valid_samples: int
+    """Validation samples consumed where that work began, or now when in none (read only)."""
 
     @property
     def rank(self) -> int:
@@ -88,9 +90,11 @@ class TrainerHandle(Protocol):
         """The model chunks and the optimizer trained now."""
 
     def resume_at(self, *, iteration: int, consumed_samples: int,
-                  scheduler_state: dict[str, Any], after_step: str = "") -> None:
+                  scheduler_state: dict[str, Any], after_step: str = "",
+                  valid_samples: int) -> None:
         """Continue after ``iteration`` completed steps (state already loaded), first with
-        the work after that step from phase ``after_step`` on (none when "")."""
+        the work after that step from phase ``after_step`` on (none when "") and
+        ``valid_samples`` validation samples consumed."""
 
     def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
                 hints: dict[str, Any] | None = None) -> None:

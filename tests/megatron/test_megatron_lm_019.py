@@ -153,3 +153,23 @@ def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run
     assert done["migrated_bytes"] > 0  # the state came from the surviving replica
     # the new layout (PP1 x DP2, one spare) is a model the config container had to describe anew
     assert [(r["layout"]["pp"], r["layout"]["dp"]) for r in steps] == [(2, 2)] * 2 + [(1, 2)] * 4
+
+
+@pytest.mark.serial
+def test_a_failure_in_the_final_validation_recovers_on_0_19(checkout, tmp_path):
+    """0.19's pretrain() runs the same end-of-job work after train() as 0.16's: rank 1 dies
+    as its evaluation on the validation set after step 6 starts, the survivors redo it in
+    the new layout, then evaluate the test set; every loss, and both end-of-job
+    evaluations, equal Megatron-LM's failure-free run within 1e-4."""
+    from test_megatron_lm_ft import FINAL, killed_at_the_end, launch
+    from test_megatron_lm_ft import iterations as steps_of
+
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    records, log = launch(checkout, tmp_path / "plain.jsonl", 4, ft=False)
+    finals = FINAL.findall(log)
+    assert [f[:2] for f in finals] == [("6", "validation"), ("6", "test")]
+    reference = ({r["iteration"]: r["loss"] for r in steps_of(records)}, {}, finals)
+    _, log = killed_at_the_end(checkout, reference, tmp_path,
+                               "rank=1,iteration=6,phase=final-eval,kind=exit")
+    assert "the work after step 6 is redone from its final validation" in log

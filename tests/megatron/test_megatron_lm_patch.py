@@ -10,6 +10,7 @@ import argparse
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,18 @@ def test_swap_with_megatrons_activation_offloading_is_refused(margs, flag):
             "swap would both own the saved-tensor hooks")):
         megatron_lm.check_supported(build_config({"swap": {"enabled": True}}), settings)
     megatron_lm.check_supported(build_config({}), settings)  # either alone is fine
+
+
+def test_megatron_lms_yaml_arguments_are_refused(capsys):
+    """--yaml-cfg makes Megatron-LM return its file's arguments and drop the command line's,
+    --chameleon-* included: one line and exit 2, not a run without them."""
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return types.SimpleNamespace(yaml_cfg="gpt.yaml", num_layers=2)
+
+    with pytest.raises(SystemExit) as exit_:
+        megatron_lm.with_chameleon_args(parse_args)()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "pretrain_gpt.py: error: --yaml-cfg gpt.yaml: Megatron-LM's YAML arguments replace "
+        "every command-line flag, --chameleon-* included; give Megatron-LM's arguments as "
+        "flags, or in the megatron section of a --chameleon-config preset"]

@@ -156,7 +156,8 @@ class Resume(TrainerPlugin):
             trainer.resume_at(iteration=trainer.iteration,
                               consumed_samples=trainer.consumed_samples,
                               scheduler_state=trainer.scheduler_state(),
-                              after_step=trainer.after_step)
+                              after_step=trainer.after_step,
+                              valid_samples=trainer.valid_samples)
         return self.answer
 
 
@@ -195,6 +196,24 @@ def test_a_failed_evaluation_is_redone_from_the_samples_it_started_at():
     # Megatron-LM would derive 8 validation samples from "iteration 2, none consumed":
     # the iterators are built as at step 0, from the 0 samples the evaluation started at.
     assert fake.built[-1] == (0, 16, 0) and fake.args.iteration == 2
+
+
+def test_a_spare_made_active_takes_the_survivors_validation_position():
+    """A spare never evaluated (0 validation samples consumed); made active at step 2 it
+    must read the validation batches the survivors would read next, not the first ones."""
+    fake = Megatron({("step", 3): PeerLost("peer 1 gone")})
+
+    class Promote(Resume):
+        def on_step_failed(self, exc, trainer):
+            fake.args.consumed_valid_samples = 0  # what the spare's own arguments say
+            trainer.resume_at(iteration=2, consumed_samples=16,
+                              scheduler_state=trainer.scheduler_state(),
+                              valid_samples=8)
+            return "redo"
+
+    run(fake, [Promote()])
+    assert fake.built[-1] == (2, 16, 8)
+    assert fake.args.consumed_valid_samples == 8 + 8 + 8  # evaluations after steps 4, end
 
 
 def test_a_stop_leaves_pretrain_and_an_unhandled_failure_propagates():

@@ -86,7 +86,10 @@ def widened(timeouts: Timeouts) -> Timeouts:
 class StepTimer:
     """Step times of the current layout: the first is warm-up; after ``steps`` more, the
     step time is their maximum (a conservative base for timeouts). The median of the last
-    ``RECENT`` steps after warm-up is the typical step (what an estimator is fitted to)."""
+    ``RECENT`` steps after warm-up is the typical step (what an estimator is fitted to);
+    until one is measured, the warm-up step stands in for it: an upper bound (it carries
+    one-time costs), where an unscaled model would take compute as nearly free and leave
+    most survivors idle (soak seed 611463: a failure in step 2 kept one rank of seven)."""
 
     RECENT = 64
 
@@ -97,11 +100,13 @@ class StepTimer:
         self._count = 0
         self._window: list[float] = []
         self._recent: collections.deque[float] = collections.deque(maxlen=self.RECENT)
+        self._warm_up: float | None = None
 
     def record(self, seconds: float) -> None:
         self._count += 1
         if self._count == 1:
-            return  # warm-up
+            self._warm_up = seconds
+            return
         self._recent.append(seconds)
         if len(self._window) < self._steps:
             self._window.append(seconds)
@@ -112,13 +117,14 @@ class StepTimer:
 
     @property
     def typical(self) -> float | None:
-        return statistics.median(self._recent) if self._recent else None
+        return statistics.median(self._recent) if self._recent else self._warm_up
 
     def reset(self) -> None:
         """A new layout: measure again."""
         self._count = 0
         self._window = []
         self._recent.clear()
+        self._warm_up = None
 
 
 _COMM_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe",
@@ -183,7 +189,8 @@ class FailureDetector:
 
     @property
     def typical_step_time(self) -> float | None:
-        """The median recent step time of the current layout (None: none measured yet)."""
+        """The median recent step time of the current layout (the warm-up step's before
+        any other; None: none measured yet)."""
         return self._timer.typical
 
     def step_done(self, iteration: int, seconds: float) -> None:

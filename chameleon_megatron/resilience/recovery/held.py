@@ -107,6 +107,7 @@ def resume_at(trainer: TrainerHandle, agreed: Agreed, states: dict[int, RunState
               donor: int | None) -> None:
     """The run state of the newest completed step: position, LR schedule, RNG streams."""
     trainer.resume_at(iteration=agreed.iteration, consumed_samples=agreed.consumed_samples,
-                      scheduler_state=agreed.scheduler, after_step=agreed.after_step)
+                      scheduler_state=agreed.scheduler, after_step=agreed.after_step,
+                      valid_samples=agreed.valid_samples)
     if donor is not None:
         set_rng_state(states[donor].rng)

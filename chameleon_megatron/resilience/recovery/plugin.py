@@ -187,7 +187,9 @@ class ResiliencePlugin(TrainerPlugin):
         self.controller.step_done(seconds)
         self._completed = iteration
         if self._slow_work_after(iteration):
-            detector.hold(self.ft.startup_timeout_s)
+            # twice the groups' timeout, as in steps: a peer hung in that work is found by
+            # the survivors' collectives timing out, before their own silence kills them
+            detector.hold(2 * self.ft.startup_timeout_s)
             groups.set_timeouts(self.ft.startup_timeout_s)
             self._relaxed = True
 

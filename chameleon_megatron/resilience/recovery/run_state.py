@@ -38,12 +38,15 @@ class RunState:
     """RNG states (CPU, CUDA, megatron's tensor-parallel tracker), opaque here."""
     after_step: str = ""
     """The work after step ``iteration`` this rank was inside (``WORK_ORDER``); "" if none."""
+    valid_samples: int = 0
+    """Validation samples consumed where that work began (now, when in none): Megatron-LM
+    moves through its validation set from one evaluation to the next."""
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save({"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                     "scheduler": self.scheduler, "rng": self.rng,
-                    "after_step": self.after_step}, buf)
+                    "after_step": self.after_step, "valid_samples": self.valid_samples}, buf)
         return buf.getvalue()
 
     @classmethod
@@ -66,6 +69,8 @@ class Agreed:
     after_step: str = ""
     """The work after step ``iteration`` every member redoes from this phase on, before the
     next step: the earliest a fresh member was inside ("" : none was)."""
+    valid_samples: int = 0
+    """Validation samples consumed where the job resumes (before the redone work)."""
 
 
 def agree(states: Mapping[int, RunState]) -> Agreed:
@@ -83,16 +88,21 @@ def agree(states: Mapping[int, RunState]) -> Agreed:
                              f"consumed {ref.consumed_samples} vs {states[r].consumed_samples} "
                              "samples")
     pending = [states[r].after_step for r in fresh if states[r].after_step]
+    after_step = min(pending, key=WORK_ORDER.index, default="")
+    # A member inside that work saw the validation position where it began; a member past
+    # it (or, when "", any fresh member) sees the one after it. Spares hold none.
+    at = next(r for r in fresh if states[r].after_step == after_step)
     return Agreed(iteration=newest, consumed_samples=ref.consumed_samples,
                   scheduler=ref.scheduler, fresh=fresh,
                   stale=tuple(sorted(r for r in states if r not in fresh)),
-                  after_step=min(pending, key=WORK_ORDER.index, default=""))
+                  after_step=after_step, valid_samples=states[at].valid_samples)
 
 
 def of(trainer: TrainerHandle, rng: dict[str, Any]) -> RunState:
     """The trainer's position now, with ``rng`` as the RNG streams of its next step."""
     return RunState(iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-                    scheduler=trainer.scheduler_state(), rng=rng, after_step=trainer.after_step)
+                    scheduler=trainer.scheduler_state(), rng=rng, after_step=trainer.after_step,
+                    valid_samples=trainer.valid_samples)
 
 
 def without(agreed: Agreed, unusable: Sequence[int]) -> Agreed:

@@ -62,3 +62,6 @@ def test_a_node_joins_the_running_job_over_the_network(tmp_path: Path) -> None:
              and r["iteration"] >= join["redo_iteration"]]
     assert grown and grown[-1]["iteration"] == ITERS
     assert '"event": "node_join", "group_rank": 2' in (tmp_path / "log2").read_text()
+    for log in ("log0", "log1", "log2"):  # every host names its peers (netns_support)
+        assert "hostname of the client socket cannot be retrieved" not in \
+            (tmp_path / log).read_text(), log

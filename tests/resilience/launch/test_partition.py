@@ -11,7 +11,8 @@ down: packets vanish, no reset reaches either side, as when a cable fails.
   error line saying why. When the link comes back, nothing of host 1 is left to rejoin.
 - 3 hosts, host 0 (the store's host) cut off after the checkpoint of step 4: hosts 1 and 2
   hold a majority, wait one node window and resume the job from its checkpoint among
-  themselves; host 0 lost a majority of the agents and stops with status 75.
+  themselves; host 0 lost a majority of the agents and stops with status 75. Its link comes
+  back before they finish: no member of the old job, and no second job, appears.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def test_the_store_host_cut_off_stops_and_the_majority_resumes(tmp_path: Path,
             before = len(records(tmp_path / "metrics.jsonl"))
             took = _cut_off_exit(procs[0], cut_at, tmp_path / "log0")
             assert took <= WINDOW_S + 10, took
+            h0.restore()  # the link is back while the majority trains: nothing of host 0 left
             for i in (1, 2):
                 assert procs[i].wait(timeout=300) == 0, \
                     (tmp_path / f"log{i}").read_text()[-6000:]
@@ -112,6 +114,8 @@ def test_the_store_host_cut_off_stops_and_the_majority_resumes(tmp_path: Path,
     (resume,) = [r for r in recs if r["event"] == "recovery"]
     assert (resume["cause"], resume["fallback"], resume["world_size"]) == (
         "store_lost", "checkpoint", 2), resume
+    assert [r["event"] for r in recs].count("run") == 2  # the job, then its resumption
+    assert all(r["world_size"] == 2 for r in recs[before:] if "world_size" in r)
     seen = assert_losses_match(recs, reference[0])
     start = resume["resumed_iteration"]
     assert start >= 4 and seen[-(ITERS - start):] == list(range(start + 1, ITERS + 1)), seen

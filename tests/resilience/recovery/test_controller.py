@@ -295,7 +295,10 @@ def test_spares_rejoin_when_every_active_member_failed() -> None:
 
 def test_timeouts_take_the_worst_measured_step_the_estimator_the_median() -> None:
     timer = StepTimer(steps=2)
-    for seconds in (9.0, 1.0, 3.0, 1.2, 1.1):  # warm-up, then the window, then more
+    assert (timer.step_time, timer.typical) == (None, None)
+    timer.record(9.0)  # warm-up: until another step is measured, it is the typical one
+    assert (timer.step_time, timer.typical) == (None, 9.0)
+    for seconds in (1.0, 3.0, 1.2, 1.1):  # the window, then more
         timer.record(seconds)
     assert (timer.step_time, timer.typical) == (3.0, 1.15)
     timer.reset()

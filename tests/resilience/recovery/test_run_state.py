@@ -67,3 +67,18 @@ def test_the_work_after_the_step_resumes_from_the_earliest_phase_a_fresh_member_
     store = dist.HashStore()
     publish(store, 1, RunState(5, 40, after_step="save"))
     assert read_all(store, (1,))[1].after_step == "save"
+
+
+def test_the_validation_position_is_where_the_redone_work_began() -> None:
+    """Megatron-LM's evaluations move through the validation set: the job resumes at the
+    position of a member inside the agreed work (it began there), or past it when none is;
+    a spare made active (-1) holds none and takes it."""
+    states = {0: RunState(5, 40, after_step="eval", valid_samples=16),
+              1: RunState(5, 40, after_step="save", valid_samples=24),
+              2: RunState(5, 40, valid_samples=24), 3: RunState(-1, 0)}
+    assert agree(states).valid_samples == 16  # the evaluation is redone from 16
+    states[0] = RunState(5, 40, valid_samples=24)
+    assert agree(states).valid_samples == 24  # only the checkpoint is redone
+    store = dist.HashStore()
+    publish(store, 1, states[1])
+    assert read_all(store, (1,))[1].valid_samples == 24
