@@ -201,7 +201,8 @@ class LMLoop(LoopPosition):
 
     @property
     def valid_samples(self) -> int:
-        """The validation position where the evaluation this rank is inside began."""
+        """The validation position where the evaluation this rank is inside began (now, when
+        in none)."""
         if self.after_step == "eval" and self._valid_mark[0] == self.iteration:
             return self._valid_mark[1]
         if self.after_step == "final-eval":
