@@ -37,7 +37,11 @@ from chameleon_megatron.config import (
 )
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.errors import fail
-from chameleon_megatron.megatron.lm_cpu import lm_cpu_platform, set_cpu_defaults
+from chameleon_megatron.megatron.lm_cpu import (
+    lm_cpu_platform,
+    set_cpu_defaults,
+    validating_on_cpu,
+)
 from chameleon_megatron.megatron.lm_limits import first_refused, ft_limits, swap_limits
 from chameleon_megatron.megatron.lm_seams import UnsupportedMegatron, check_release
 from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
@@ -163,6 +167,10 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
         if not getattr(module.parse_args, _CHAINED, False):
             check_parse_args(module.parse_args)
             module.parse_args = with_chameleon_args(module.parse_args)
+    # 0.19 validates in pretrain_gpt.py's __main__ (by this module's global name), before
+    # pretrain() and its CPU platform: validation needs the CPU's answers there too
+    if hasattr(arguments, "validate_args"):
+        arguments.validate_args = validating_on_cpu(arguments.validate_args)
 
     from megatron.core import package_info
 
@@ -200,14 +208,18 @@ def check_parse_args(parse_args: Callable[..., Any]) -> None:
 
 
 def refuse_yaml_cfg(parsed: Any) -> None:
-    """Megatron-LM's experimental ``--yaml-cfg`` replaces the parsed arguments with its
-    file's, dropping every command-line flag (ours too): refused, not half applied."""
+    """Megatron-LM's experimental ``--yaml-cfg`` cannot start a GPT job in 0.16-0.19 (its
+    ``validate_yaml`` reads ``account_for_embedding_in_pipeline_split`` at the top level, the
+    model config from the file's sections, and its flattening refuses the key in both:
+    tests/megatron/test_megatron_lm_yaml.py), and it drops every command-line flag, ours
+    too: refused in one line rather than failing in Megatron-LM."""
     path = getattr(parsed, "yaml_cfg", None)
     if path is not None:
         raise ConfigError(
-            f"--yaml-cfg {path}: Megatron-LM's YAML arguments replace every command-line "
-            "flag, --chameleon-* included; give Megatron-LM's arguments as flags, or in the "
-            "megatron section of a --chameleon-config preset")
+            f"--yaml-cfg {path}: Megatron-LM's YAML arguments cannot start pretrain_gpt.py in "
+            "this release and would replace every command-line flag, --chameleon-* included; "
+            "give Megatron-LM's arguments as flags, or in the megatron section of a "
+            "--chameleon-config preset")
 
 
 def with_chameleon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:

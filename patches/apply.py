@@ -19,19 +19,20 @@ Standard library only: it runs with any Python 3.9+, before chameleon_megatron i
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import importlib.util
 import re
 import sys
+from typing import Any
 from pathlib import Path
 
 SCRIPT = "pretrain_gpt.py"
 VERSION_FILE = "megatron/core/package_info.py"
-# Megatron-LM (major, minor) releases whose pretrain_gpt.py and megatron/training seams
-# (setup_model_and_optimizer, train, train_step, get_forward_backward_func) were checked:
-# core_v0.16.1, core_v0.17.1 and core_v0.19.0 (tested end to end on CPU), core_v0.16.0 (by
-# reading). chameleon_megatron/megatron/lm_seams.py checks the same at run time (it keeps
-# its own copy: this script imports nothing of the project).
-SUPPORTED = ((0, 16), (0, 17), (0, 19))
+TRAINING = "megatron/training/training.py"
+SEAMS_FILE = Path(__file__).resolve().parents[1] / "chameleon_megatron" / "megatron" / "lm_seams.py"
+"""The layouts of the seams the hook binds (loaded alone, standard library only: this script
+runs before chameleon_megatron is installed)."""
 
 BEGIN = "# >>> chameleon-megatron (patches/apply.py) >>>"
 END = "# <<< chameleon-megatron <<<"
@@ -64,13 +65,62 @@ def megatron_version(checkout: Path) -> tuple[int, int, int]:
     return parts[0], parts[1], parts[2]
 
 
-def check_version(version: tuple[int, int, int]) -> None:
-    if version[:2] not in SUPPORTED:
-        known = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
-        raise PatchError(
-            f"Megatron-LM {'.'.join(map(str, version))} is not supported (supported: {known}); "
-            "its pretrain_gpt.py or training loop may differ from what the hook expects"
-        )
+def _seams() -> Any:
+    spec = importlib.util.spec_from_file_location("chameleon_lm_seams", SEAMS_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _module_file(checkout: Path, module: str) -> Path | None:
+    base = checkout.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _function_params(checkout: Path, path: Path, name: str,
+                     hops: int = 4) -> tuple[str, ...] | None:
+    """Parameter names of the function ``name`` defined in, or imported into, the module
+    at ``path`` (followed through ``from X import name`` up to ``hops`` times), read from
+    the source; None where it is not found."""
+    package = path.parent.relative_to(checkout).parts
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args)]
+            names += [a.vararg.arg] if a.vararg else []
+            return tuple(names + [x.arg for x in a.kwonlyargs] + ([a.kwarg.arg] if a.kwarg
+                                                                   else []))
+        if isinstance(node, ast.ImportFrom) and hops and any(
+                (x.asname or x.name) == name for x in node.names):
+            (alias,) = [x for x in node.names if (x.asname or x.name) == name]
+            parts = list(package[:len(package) - node.level + 1]) if node.level else []
+            source = _module_file(checkout, ".".join([*parts, *(node.module or "").split(".")]
+                                                     ).strip("."))
+            if source is not None:
+                return _function_params(checkout, source, alias.name, hops - 1)
+    return None
+
+
+def seam_params(checkout: Path, names: tuple[str, ...]) -> dict[str, tuple[str, ...] | None]:
+    """Seam name -> its parameter names, as megatron/training/training.py binds it (defined
+    there or imported), read from the checkout's source: nothing is imported."""
+    path = checkout / TRAINING
+    if not path.is_file():
+        raise PatchError(f"{checkout}: no {TRAINING}; is this a Megatron-LM checkout?")
+    return {name: _function_params(checkout, path, name) for name in names}
+
+
+def check_layout(checkout: Path) -> str:
+    """The known layout the checkout's seams have (lm_seams.LAYOUTS), whatever its version."""
+    version = ".".join(map(str, megatron_version(checkout)))
+    seams = _seams()
+    try:
+        return seams.match_layout(version, seam_params(checkout, seams.SEAMS))
+    except seams.UnsupportedMegatron as exc:
+        raise PatchError(str(exc)) from None
 
 
 def _lines(text: str) -> list[str]:
@@ -149,7 +199,7 @@ def _write(path: Path, text: str) -> None:
 
 def apply(checkout: Path) -> bool:
     """Insert (or refresh) the block; True when the file changed."""
-    check_version(megatron_version(checkout))
+    check_layout(checkout)
     path = _script(checkout)
     old = _read(path)
     new = patched(old)
@@ -178,7 +228,7 @@ def status(checkout: Path) -> str:
 
 def diff(checkout: Path) -> str:
     """Unified diff that ``apply`` would make."""
-    check_version(megatron_version(checkout))
+    check_layout(checkout)
     old = _read(_script(checkout))
     return "".join(difflib.unified_diff(
         _lines(old), _lines(patched(old)), f"a/{SCRIPT}", f"b/{SCRIPT}"))

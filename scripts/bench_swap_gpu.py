@@ -19,7 +19,7 @@ cannot travel to the lent machine), bf16, AdamW, forward_backward_no_pipelining.
 The swap rows: "chameleon swap" lets the policy recompute leading layers where that costs
 less than the swap's stall (offload or recompute); "chameleon swap only" never recomputes.
 
-    python scripts/bench_swap_gpu.py [--only throughput,capacity,bandwidth] [--layers 24 ...]
+    python scripts/bench_swap_gpu.py [--only bandwidth,throughput,capacity] [--layers 24 ...]
     python scripts/bench_swap_gpu.py --smoke   # tiny sizes, runs on CPU too (no numbers)
 """
 
@@ -183,6 +183,7 @@ def throughput(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         if plugin is not None:
             runs[name]["swap"] = plugin.metrics().get("swap", {})
             plugin.on_train_end()
+        print(f"  ({name}: {json.dumps(runs[name], default=str)})", flush=True)
         del model, opt
         _free()
     base = runs["no swap"].get("tokens_per_s")
@@ -301,7 +302,8 @@ def bandwidth(a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="throughput,capacity,bandwidth")
+    ap.add_argument("--only", default="bandwidth,throughput,capacity",
+                    help="sections, run in this order (the shortest first)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -326,9 +328,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     sections = {"throughput": throughput, "capacity": capacity, "bandwidth": bandwidth}
-    results = {name: sections[name](a, device) for name in a.only.split(",")}
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+    results: dict[str, Any] = {}
+    for name in a.only.split(","):
+        results[name] = sections[name](a, device)
+        if a.json:  # after each section: a run cut short keeps what it measured
+            Path(a.json).write_text(json.dumps(results, indent=1, default=str))
     dist.destroy_process_group()
 
 

@@ -155,6 +155,43 @@ def _replace(module: ModuleType, name: str, make: Callable[[Any], Any], saved: l
 
 
 @contextlib.contextmanager
+def cpu_arguments() -> Iterator[None]:
+    """Megatron-LM's ``validate_args`` on a host without CUDA, for the block: its question
+    for the GPU generation (with TP > 1) is answered "none", and the
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` it then requires is set where not given."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved: list[tuple[ModuleType, str, Any]] = []
+    env = {k: v for k, v in CPU_ENV.items() if k not in os.environ}
+    try:
+        _replace(importlib.import_module("megatron.training.arguments"),
+                 "get_device_arch_version", lambda _: lambda: NO_GPU_ARCH, saved)
+        os.environ.update(env)
+        yield
+    finally:
+        for name in env:
+            os.environ.pop(name, None)
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def validating_on_cpu(validate_args: Callable[..., Any]) -> Callable[..., Any]:
+    """``validate_args`` run under ``cpu_arguments``: 0.19's pretrain_gpt.py validates its
+    arguments in ``__main__``, before ``pretrain()`` (and ``lm_cpu_platform``) starts."""
+    if getattr(validate_args, "_chameleon_cpu", False):
+        return validate_args
+
+    @functools.wraps(validate_args)
+    def validate(*args: Any, **kwargs: Any) -> Any:
+        with cpu_arguments():
+            return validate_args(*args, **kwargs)
+
+    validate._chameleon_cpu = True  # type: ignore[attr-defined]
+    return validate
+
+
+@contextlib.contextmanager
 def lm_cpu_platform(training: ModuleType, initialize: ModuleType) -> Iterator[bool]:
     """Patch ``megatron.training`` for a CPU-only host for the block; yields whether it did
     (nothing is patched where CUDA is available)."""
@@ -164,25 +201,20 @@ def lm_cpu_platform(training: ModuleType, initialize: ModuleType) -> Iterator[bo
     platform = CpuPlatform()
     te_absent = TeAbsentPatch()  # MoE routers read a name only TE defines
     saved: list[tuple[ModuleType, str, Any]] = []
-    env: dict[str, str] = {}
-    try:
-        platform.apply()
-        te_absent.apply()
-        _replace(training, "initialize_megatron",
-                 lambda init: functools.partial(init, allow_no_cuda=True), saved)
-        _replace(initialize, "_compile_dependencies", lambda _: _compile_dependencies_cpu, saved)
-        _replace(importlib.import_module("megatron.training.arguments"),
-                 "get_device_arch_version", lambda _: lambda: NO_GPU_ARCH, saved)
-        for name, stand_in in CUDA_STAND_INS.items():
-            _replace(torch.cuda, name, lambda _, f=stand_in: f, saved)
-        env = {k: v for k, v in CPU_ENV.items() if k not in os.environ}
-        os.environ.update(env)
-        logger.info("no CUDA: Megatron-LM's training runs on the CPU (gloo)")
-        yield True
-    finally:
-        for name in env:
-            os.environ.pop(name, None)
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
-        te_absent.remove()
-        platform.remove()
+    with cpu_arguments():
+        try:
+            platform.apply()
+            te_absent.apply()
+            _replace(training, "initialize_megatron",
+                     lambda init: functools.partial(init, allow_no_cuda=True), saved)
+            _replace(initialize, "_compile_dependencies", lambda _: _compile_dependencies_cpu,
+                     saved)
+            for name, stand_in in CUDA_STAND_INS.items():
+                _replace(torch.cuda, name, lambda _, f=stand_in: f, saved)
+            logger.info("no CUDA: Megatron-LM's training runs on the CPU (gloo)")
+            yield True
+        finally:
+            for module, name, value in reversed(saved):
+                setattr(module, name, value)
+            te_absent.remove()
+            platform.remove()

@@ -1,21 +1,20 @@
-"""Which Megatron-LM releases the hook runs on, checked when ``pretrain_gpt.py`` starts.
+"""Which Megatron-LM checkouts the hook runs on: those whose seams have a known layout.
 
-patches/apply.py refuses to patch an unknown release, but a checkout updated after it was
-patched keeps the hook: ``check_release`` refuses it at run time, from the version of the
-``megatron`` package actually imported and from the signature of every function the hook
-wraps or calls by position, compared with the leading parameters this project expects of
-that release (read from core_v0.16.1, core_v0.17.1 and core_v0.19.0).
+The hook wraps or calls functions of ``megatron.training.training`` by position. A layout
+is the leading parameters each of them takes in a release this project read (core_v0.16.1
+and core_v0.17.1: "0.16"; core_v0.19.0: "0.19"). A checkout is supported when every seam
+matches one layout, whatever its version says (0.18.x runs where its seams are 0.19's).
+``patches/apply.py`` checks the checkout's source with these tables before it patches (it
+loads this file alone: standard library only); ``check_release`` checks the imported
+functions when ``pretrain_gpt.py`` starts, so that a checkout updated after it was patched
+is refused in one line naming the seam.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
 from types import ModuleType
-from typing import Any, Callable
-
-SUPPORTED = ((0, 16), (0, 17), (0, 19))
-"""Megatron-LM (major, minor) releases whose seams were checked (patches/apply.py's too)."""
+from typing import Any, Callable, Mapping, Optional
 
 _COMMON: dict[str, tuple[str, ...]] = {
     "build_train_valid_test_data_iterators": ("build_train_valid_test_datasets_provider",),
@@ -30,14 +29,14 @@ _COMMON: dict[str, tuple[str, ...]] = {
                         "num_floating_point_operations_so_far", "checkpointing_context"),
     "get_forward_backward_func": ("pp_size", "vp_size"),
 }
-EXPECTED: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {
-    (0, 16): _COMMON | {
+LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "0.16": _COMMON | {
         "pretrain": ("train_valid_test_dataset_provider", "model_provider", "model_type",
                      "forward_step_func"),
         "setup_model_and_optimizer": ("model_provider_func", "model_type",
                                       "checkpointing_context"),
     },
-    (0, 19): _COMMON | {
+    "0.19": _COMMON | {
         # the model comes from the config container (model_provider is None in pretrain_gpt)
         "pretrain": ("cfg_container", "train_valid_test_dataset_provider", "model_type",
                      "forward_step_func", "model_provider"),
@@ -45,46 +44,52 @@ EXPECTED: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {
                                       "checkpointing_context"),
     },
 }
-EXPECTED[(0, 17)] = EXPECTED[(0, 16)]
-"""Per release: function of ``megatron.training.training`` -> its expected leading
-parameters (by name and position)."""
+"""Layout name (the first release read with it) -> function of ``megatron.training.training``
+-> its expected leading parameters, by name and position."""
+SEAMS = tuple(LAYOUTS["0.16"])
+"""The functions every layout names."""
 
 
 class UnsupportedMegatron(RuntimeError):
-    """The imported Megatron-LM is not one whose seams were checked; one line says why."""
-
-
-def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string such as '0.19.1' or '0.16.1rc0'."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        raise UnsupportedMegatron(f"Megatron-LM version {version!r} is not MAJOR.MINOR...")
-    return int(match.group(1)), int(match.group(2))
+    """The Megatron-LM checkout's seams match no known layout; one line says why."""
 
 
 def params(fn: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
-def check_release(version: str, training: ModuleType,
-                  pretrain: Callable[..., Any]) -> tuple[int, int]:
-    """The release of ``version`` when it is supported and every seam of ``training`` (and
-    ``pretrain``, the function the script calls) has the parameters expected of it; else
-    ``UnsupportedMegatron`` naming the first difference."""
-    key = release(version)
-    if key not in EXPECTED:
-        known = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
-        raise UnsupportedMegatron(f"Megatron-LM {version} is not supported (supported: {known})")
-    for name, want in EXPECTED[key].items():
-        fn = pretrain if name == "pretrain" else getattr(training, name, None)
-        if fn is None:
-            raise UnsupportedMegatron(f"Megatron-LM {version} has no training.{name}")
-        have = params(fn)
-        if have[:len(want)] != want:
-            raise UnsupportedMegatron(
-                f"Megatron-LM {version}: {name}({', '.join(have)}) does not start with "
-                f"({', '.join(want)}), the parameters the hook expects of {key[0]}.{key[1]}.x")
-    return key
+def _difference(name: str, have: Optional[tuple[str, ...]], want: tuple[str, ...]) -> str:
+    if have is None:
+        return f"it has no training.{name}"
+    if have[:len(want)] != want:
+        return f"{name}({', '.join(have)}) does not start with ({', '.join(want)})"
+    return ""
+
+
+def match_layout(version: str, have: Mapping[str, Optional[tuple[str, ...]]]) -> str:
+    """The layout every seam of ``have`` (function -> its parameters, None when missing)
+    matches; else ``UnsupportedMegatron`` naming the first difference from the nearest one."""
+    nearest: list[str] = []
+    for layout, seams in LAYOUTS.items():
+        found = [d for d in (_difference(n, have.get(n), want) for n, want in seams.items())
+                 if d]
+        if not found:
+            return layout
+        if not nearest or len(found) < len(nearest) - 1:
+            nearest = [layout, *found]
+    known = ", ".join(LAYOUTS)
+    raise UnsupportedMegatron(
+        f"Megatron-LM {version}: {nearest[1]}, the parameters the hook expects of the "
+        f"{nearest[0]} layout (known layouts: {known}; see patches/README.md)")
+
+
+def check_release(version: str, training: ModuleType, pretrain: Callable[..., Any]) -> str:
+    """The layout of the imported ``training`` module's seams (``pretrain``: the function
+    the script calls), or ``UnsupportedMegatron`` naming the first difference."""
+    have = {name: params(pretrain) if name == "pretrain" else (
+        params(getattr(training, name)) if hasattr(training, name) else None)
+        for name in SEAMS}
+    return match_layout(version, have)
 
 
 def setup_for_rebuild(setup: Callable[..., Any]) -> Callable[[Any, Any], Any]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from chameleon_megatron.megatron.lm_seams import LAYOUTS
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("chameleon_patch_apply",
                                                REPO / "patches" / "apply.py")
@@ -73,8 +75,20 @@ if __name__ == "__main__":
 PACKAGE_INFO = "MAJOR = 0\nMINOR = {minor}\nPATCH = 1\nPRE_RELEASE = ''\n"
 
 
-def make_checkout(root: Path, script: str = SYNTHETIC_SCRIPT, minor: int = 16) -> Path:
+def make_checkout(root: Path, script: str = SYNTHETIC_SCRIPT, minor: int = 16,
+                  layout: str = "0.16") -> Path:
+    """A synthetic checkout: the script, the version file, and a training.py whose seams
+    have ``layout`` (lm_seams.LAYOUTS; save_checkpoint imported, as Megatron-LM does)."""
     (root / "megatron" / "core").mkdir(parents=True)
     (root / "megatron" / "core" / "package_info.py").write_text(PACKAGE_INFO.format(minor=minor))
+    (root / "megatron" / "training").mkdir(parents=True)
+    seams = dict(LAYOUTS[layout])
+    saving = seams.pop("save_checkpoint")
+    (root / "megatron" / "training" / "checkpointing.py").write_text(
+        f"def save_checkpoint({', '.join(saving)}, **kwargs):\n    pass\n")
+    (root / "megatron" / "training" / "training.py").write_text(
+        "from .checkpointing import save_checkpoint\n\n" + "".join(
+            f"\ndef {name}({', '.join(params)}, *args, **kwargs):\n    pass\n"
+            for name, params in seams.items()))
     (root / "pretrain_gpt.py").write_bytes(script.encode())
     return root

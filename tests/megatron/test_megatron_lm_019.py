@@ -7,16 +7,18 @@ seams were not checked."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_support import REAL_019, copy_checkout, patch, script_bytes  # noqa: E402
+from lm_support import REAL_019, REPO, copy_checkout, patch, script_bytes  # noqa: E402
 from test_megatron_lm_real import USER_FLAGS, iterations, readme_recipe  # noqa: E402
+from test_megatron_lm_presets import PRESETS, probe_preset  # noqa: E402
+from test_megatron_lm_yaml import PLACEMENTS, probe_yaml_path  # noqa: E402
 
 REQUIRED = os.environ.get("CHAMELEON_REQUIRE_019") == "1"
 """Set by scripts/test.sh: a missing Python 3.12 or checkout fails these tests, not skips them."""
@@ -62,10 +64,11 @@ def test_patch_round_trip_and_help(checkout):
     assert patch.status(ckpt) == "unpatched"
 
 
-def run_job(ckpt: Path, env: dict, *flags: str) -> str:
-    """pretrain_gpt.py under torchrun on 2 CPU ranks; its output."""
+def run_job(ckpt: Path, env: dict, *flags: str, nproc: int = 2,
+            user_flags: Sequence[str] = USER_FLAGS) -> str:
+    """pretrain_gpt.py under torchrun on ``nproc`` CPU ranks; its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "pretrain_gpt.py", *USER_FLAGS, *flags]
+           str(nproc), "pretrain_gpt.py", *user_flags, *flags]
     run = subprocess.Popen(cmd, env=env, cwd=ckpt, text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -102,11 +105,6 @@ def test_readme_recipe_swap_is_bitwise_the_run_without_swap(checkout):
         assert f"lm loss: {plain[i]['loss']:.6E}" in log
 
 
-def _bump_minor(ckpt: Path) -> None:
-    info = ckpt / "megatron" / "core" / "package_info.py"
-    info.write_text(re.sub(r"^MINOR = \d+", "MINOR = 20", info.read_text(), flags=re.M))
-
-
 def _rename_train_param(ckpt: Path) -> None:
     training = ckpt / "megatron" / "training" / "training.py"
     text = training.read_text()
@@ -115,16 +113,13 @@ def _rename_train_param(ckpt: Path) -> None:
                                      "def train(\n    forward_step_func,\n    models,"))
 
 
-@pytest.mark.parametrize("update, message", [
-    (_bump_minor, "Megatron-LM 0.20.1 is not supported (supported: 0.16.x, 0.17.x, 0.19.x)"),
-    (_rename_train_param, "Megatron-LM 0.19.1: train(forward_step_func, models, "),
-])
-def test_an_updated_checkout_is_refused_at_run_time_in_one_line(checkout, update, message):
-    """Patched as 0.19, then changed (a newer release, a seam's signature): pretrain_gpt.py
-    stops before any work, one line, exit 2."""
+def test_an_updated_checkout_is_refused_at_run_time_in_one_line(checkout):
+    """Patched as 0.19, then a seam's signature changed (an updated checkout): pretrain_gpt.py
+    stops before any work, one line naming the seam, exit 2."""
     ckpt, env = checkout
     patch.apply(ckpt)
-    update(ckpt)
+    _rename_train_param(ckpt)
+    message = "Megatron-LM 0.19.1: train(forward_step_func, models, "
     run = subprocess.run([sys.executable, "pretrain_gpt.py", *USER_FLAGS], env=env, cwd=ckpt,
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 2, run.stderr[-3000:]
@@ -173,3 +168,29 @@ def test_a_failure_in_the_final_validation_recovers_on_0_19(checkout, tmp_path):
     _, log = killed_at_the_end(checkout, reference, tmp_path,
                                "rank=1,iteration=6,phase=final-eval,kind=exit")
     assert "the work after step 6 is redone from its final validation" in log
+
+
+@pytest.mark.parametrize(("placement", "error"), PLACEMENTS)
+def test_megatron_lms_yaml_path_cannot_start_a_gpt_job_on_0_19(tmp_path, placement, error):
+    """The reason ``--yaml-cfg`` is refused holds on 0.19 too (test_megatron_lm_yaml.py)."""
+    probe_yaml_path(REAL_019, tmp_path, placement, error)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_every_preset_is_read_by_0_19s_parser(preset):
+    probe_preset(REAL_019, preset)
+
+
+@pytest.mark.serial
+def test_the_cpu_preset_trains_on_0_19(checkout, tmp_path):
+    """configs/tiny-cpu.yaml through 0.19's pretrain_gpt.py on 4 ranks: its megatron
+    section is the job (TP2 x PP2, its batch sizes), command-line flags win over it."""
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    out = tmp_path / "tiny.jsonl"
+    run_job(ckpt, env, "--chameleon-config", str(REPO / "configs" / "tiny-cpu.yaml"),
+            "--tokenizer-type", "NullTokenizer", "--train-iters", "2", "--lr-warmup-iters", "1",
+            "--eval-iters", "1", "--log-interval", "1", "--chameleon-metrics-file", str(out),
+            nproc=4, user_flags=())
+    assert [(r["iteration"], r["consumed_samples"], r["layout"]) for r in iterations(out)] == [
+        (i, 16 * i, {"tp": 2, "pp": 2, "vpp": 1, "dp": 1}) for i in (1, 2)]

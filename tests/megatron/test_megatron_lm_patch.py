@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -82,13 +83,40 @@ def test_outdated_block_is_refreshed(tmp_path):
     assert script_bytes(ckpt) == fresh
 
 
-@pytest.mark.parametrize("minor", [15, 18, 20])
-def test_unknown_version_is_refused(tmp_path, minor):
-    ckpt = make_checkout(tmp_path, minor=minor)
+@pytest.mark.parametrize(("minor", "layout"), [(15, "0.16"), (18, "0.19"), (20, "0.19")])
+def test_a_checkout_with_known_seams_is_patched_whatever_its_version(tmp_path, minor, layout):
+    """The checkout's layout decides, read from its source: 0.18 with 0.19's seams is
+    patched (patches/apply.py imports nothing of it)."""
+    ckpt = make_checkout(tmp_path, minor=minor, layout=layout)
+    assert patch.check_layout(ckpt) == layout
+    assert patch.apply(ckpt) is True
+
+
+def _rename_a_train_parameter(ckpt) -> None:
+    training = ckpt / "megatron" / "training" / "training.py"
+    text = training.read_text()
+    assert text.count("def train(forward_step_func, model,") == 1
+    training.write_text(text.replace("def train(forward_step_func, model,",
+                                     "def train(forward_step_func, models,"))
+
+
+def test_a_checkout_with_unknown_seams_is_refused(tmp_path):
+    ckpt = make_checkout(tmp_path)
+    _rename_a_train_parameter(ckpt)
     original = script_bytes(ckpt)
-    with pytest.raises(patch.PatchError, match=rf"0\.{minor}\.1 is not supported \(supported: 0\.16\.x, 0\.17\.x, 0\.19\.x\)"):
+    with pytest.raises(patch.PatchError, match=r"^Megatron-LM 0\.16\.1: train\(forward_step_func, "
+                                               r"models, .* does not start with \("
+                                               r"forward_step_func, model, .* the 0\.16 layout"):
         patch.apply(ckpt)
     assert script_bytes(ckpt) == original
+    shutil.rmtree(ckpt / "megatron")
+    make_checkout(tmp_path, minor=16)
+    (ckpt / "megatron" / "training" / "checkpointing.py").unlink()  # an import not followed
+    with pytest.raises(patch.PatchError, match="has no training.save_checkpoint"):
+        patch.apply(ckpt)
+    (ckpt / "megatron" / "training" / "training.py").unlink()
+    with pytest.raises(patch.PatchError, match="no megatron/training/training.py"):
+        patch.apply(ckpt)
 
 
 def test_missing_version_file_is_refused(tmp_path):
@@ -134,10 +162,11 @@ def test_cli_exit_codes_and_diff(tmp_path):
     assert patch.status(ckpt) == "unpatched"
     done = subprocess.run(run + ["apply", str(ckpt)], capture_output=True, text=True)
     assert done.returncode == 0 and "patched" in done.stdout
-    bad = make_checkout(tmp_path / "bad", minor=20)
+    bad = make_checkout(tmp_path / "bad")
+    _rename_a_train_parameter(bad)
     refused = subprocess.run(run + ["apply", str(bad)], capture_output=True, text=True)
     assert refused.returncode == 2
-    assert refused.stderr.startswith("error: Megatron-LM 0.20.1 is not supported")
+    assert refused.stderr.startswith("error: Megatron-LM 0.16.1: train(forward_step_func, models")
 
 
 # ----------------------------------------------------------------- argument plumbing
@@ -274,7 +303,8 @@ def test_swap_with_megatrons_activation_offloading_is_refused(margs, flag):
 
 def test_megatron_lms_yaml_arguments_are_refused(capsys):
     """--yaml-cfg makes Megatron-LM return its file's arguments and drop the command line's,
-    --chameleon-* included: one line and exit 2, not a run without them."""
+    --chameleon-* included, and cannot start a GPT job (test_megatron_lm_yaml.py): one line
+    and exit 2, not a run without them or a traceback from Megatron-LM."""
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         return types.SimpleNamespace(yaml_cfg="gpt.yaml", num_layers=2)
 
@@ -282,6 +312,7 @@ def test_megatron_lms_yaml_arguments_are_refused(capsys):
         megatron_lm.with_chameleon_args(parse_args)()
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        "pretrain_gpt.py: error: --yaml-cfg gpt.yaml: Megatron-LM's YAML arguments replace "
-        "every command-line flag, --chameleon-* included; give Megatron-LM's arguments as "
-        "flags, or in the megatron section of a --chameleon-config preset"]
+        "pretrain_gpt.py: error: --yaml-cfg gpt.yaml: Megatron-LM's YAML arguments cannot "
+        "start pretrain_gpt.py in this release and would replace every command-line flag, "
+        "--chameleon-* included; give Megatron-LM's arguments as flags, or in the megatron "
+        "section of a --chameleon-config preset"]

@@ -2,7 +2,7 @@
 
     python tests/resilience/recovery_worker.py --dump DIR --iters N [--pace-s S]
         [--oom-at RANK:ITERATION] [--stall-at RANK:ITERATION:SECONDS] [--fused te|apex]
-        [--precision-aware bf16|bf16-remainders] <trainer flags>
+        [--precision-aware bf16|bf16-remainders|fp16] <trainer flags>
 
 Trains like ``chameleon_megatron.pretrain_gpt`` (under chameleon-run, or alone for the
 failure-free reference) with one more plugin: a rank that holds part of the model when
@@ -30,15 +30,20 @@ from typing import Any
 
 
 def state_sums(ctx: Any) -> dict:
+    import torch
+
     from chameleon_megatron.resilience.dist_opt import is_distributed
     from chameleon_megatron.resilience.model_state import (
         ModelState, megatron_leaves, unit_parameters)
 
     model = ctx.model
-    inner = type(next(megatron_leaves(ctx.extra["optimizer"])).optimizer).__name__
+    leaf = next(megatron_leaves(ctx.extra["optimizer"])).optimizer
+    inner = type(leaf).__name__
+    moments = str(getattr(leaf, "exp_avg_dtype", torch.float32))  # the fused Adams' storage
     if is_distributed(ctx.extra["optimizer"]):
         return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "pieces": True,
-                "optimizer": inner, "sums": shard_sums(model, ctx.extra["optimizer"])}
+                "optimizer": inner, "moments": moments,
+                "sums": shard_sums(model, ctx.extra["optimizer"])}
     view = ModelState(model, ctx.extra["optimizer"], role="source")
     sums: dict[str, dict] = {}
     for unit, params in unit_parameters(model).items():
@@ -54,7 +59,8 @@ def state_sums(ctx: Any) -> dict:
                 "step": None if step is None else float(step),
             }
     sums.update(buffer_sums(model))
-    return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "optimizer": inner, "sums": sums}
+    return {"tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "optimizer": inner,
+            "moments": moments, "sums": sums}
 
 
 def buffer_sums(model: list) -> dict:
@@ -200,7 +206,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--oom-at", default=None, metavar="RANK:ITERATION")
     parser.add_argument("--stall-at", default=None, metavar="RANK:ITERATION:SECONDS")
     parser.add_argument("--fused", default=None, choices=["te", "apex"])
-    parser.add_argument("--precision-aware", default=None, choices=["bf16", "bf16-remainders"])
+    parser.add_argument("--precision-aware", default=None,
+                        choices=["bf16", "bf16-remainders", "fp16"])
     parser.add_argument("--check-freed", action="store_true",
                         help="write DIR/<rank>.freed.json: what of the old layout was alive "
                              "when each new one was built")
@@ -228,7 +235,8 @@ def main(argv: list[str]) -> int:
         import torch
         from fused_standins import install_precision_aware
 
-        install_precision_aware(torch.bfloat16, ours.precision_aware.endswith("remainders"))
+        moments = torch.float16 if ours.precision_aware == "fp16" else torch.bfloat16
+        install_precision_aware(moments, ours.precision_aware.endswith("remainders"))
     from chameleon_megatron import pretrain_gpt
     from chameleon_megatron.logs import setup_logging
 

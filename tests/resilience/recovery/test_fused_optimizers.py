@@ -5,10 +5,11 @@ looks for them): the fused Adams keep the step count in the param group, not per
 One job per stand-in, 4 ranks, DP2 x PP2, rank 0 dies in backward; each against the
 failure-free run of one process with the same stand-in, as the torch-optimizer jobs of
 ``test_dist_opt_e2e`` and ``test_configs_e2e`` are: every loss, the final weights and
-optimizer state (the Adam step count exactly). Two more run megatron's
+optimizer state (the Adam step count exactly). Three more run megatron's
 ``--use-precision-aware-optimizer`` over Transformer Engine's (bf16 moments, fp32 master
-weights in the optimizer's state, whole or as int16 remainders of the bf16 parameters;
-the worker's ``--precision-aware``: the trainer has no such flag).
+weights in the optimizer's state, whole or as int16 remainders of the bf16 parameters; fp16
+moments with their per-tensor scales; the worker's ``--precision-aware``: the trainer has
+no such flag).
 """
 
 from __future__ import annotations
@@ -72,20 +73,22 @@ def test_fused_sgd_recovers_in_memory(tmp_path: Path, family: str, strategy: str
     assert_every_copy_matches(ref_dump, dumps)
 
 
-@pytest.mark.parametrize("remainders,strategy,mode", [(False, "adaptive", "megatron"),
-                                                      (True, "reroute", "reroute")])
-def test_te_precision_aware_adam_recovers_from_shard_copies(tmp_path: Path, remainders: bool,
+@pytest.mark.parametrize("layout,strategy,mode", [("bf16", "adaptive", "megatron"),
+                                                  ("bf16-remainders", "reroute", "reroute"),
+                                                  ("fp16", "adaptive", "megatron")])
+def test_te_precision_aware_adam_recovers_from_shard_copies(tmp_path: Path, layout: str,
                                                             strategy: str, mode: str) -> None:
-    """bf16 moments and the master weights travel unscaled in fp32 and are stored back in
-    the optimizer's layout; rerouted, the plan runtime shards each part over its holders
-    (and clips the gradients the optimizer reads, ``decoupled_grad``)."""
-    layout = "bf16-remainders" if remainders else "bf16"
+    """bf16 or fp16 moments (fp16 stored divided by a per-tensor scale) and the master
+    weights travel unscaled in fp32 and are stored back in the optimizer's layout;
+    rerouted, the plan runtime shards each part over its holders (and clips the gradients
+    the optimizer reads, ``decoupled_grad``)."""
     done = recover_sharded(tmp_path, 1, ("--precision-aware", layout, "--bf16"),
                            rtol=BF16_RTOL, state_rtol=STATE_RTOL, strategy=strategy, mode=mode,
                            favour="dp" if mode == "megatron" else "pp")
     assert built(tmp_path) == {"TEFusedAdam"}
     ref = json.loads((tmp_path / "reference" / "dump" / "0.json").read_text())
     assert all("master_param" in v for v in ref["sums"].values()), ref
+    assert ref["moments"] == f"torch.{'float16' if layout == 'fp16' else 'bfloat16'}", ref
 
 
 def test_te_fused_adam_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
