@@ -88,6 +88,13 @@ def current_run(path: str | Path) -> int | None:
     return ids[-1] if ids else None
 
 
+def continue_run(old: MetricsWriter, path: str | None, rank: int) -> MetricsWriter:
+    """After a regroup: ``old`` closed, and the writer of the same run for this rank (the
+    first rank may have died: whoever is rank 0 now appends to the file)."""
+    old.close()
+    return MetricsWriter(path, enabled=rank == 0, run_id=current_run(path) if path else None)
+
+
 def read_metrics(path: str | Path, event: str | None = None,
                  run: int | None = None) -> list[dict[str, Any]]:
     """Records of one run of a metrics file (``run``; None: the last), optionally only

@@ -19,6 +19,10 @@ from __future__ import annotations
 import argparse
 
 Limits = list[tuple[bool, str]]
+VPP_REFUSED = "interleaved pipelines (virtual stages) are not recovered yet"
+RAMPUP_REFUSED = "--rampup-batch-size: the decision center plans for one global batch size"
+"""Why recovery refuses these on both entries (``recovery/plugin.check_recoverable`` says
+the same on chameleon's trainer)."""
 
 
 def _get(margs: argparse.Namespace, name: str, default: object = None) -> object:
@@ -55,7 +59,7 @@ def _pipeline(margs: argparse.Namespace) -> Limits:
     return [
         (_get(margs, "num_layers_per_virtual_pipeline_stage") is None
          and _get(margs, "num_virtual_stages_per_pipeline_rank") is None,
-         "interleaved pipelines (virtual stages) are not recovered yet"),
+         VPP_REFUSED),
         (given is None,
          f"--{(given or '').replace('_', '-')}: uneven pipeline stages; recovery re-plans "
          "onto an even layer split"),
@@ -100,8 +104,7 @@ def ft_limits(margs: argparse.Namespace) -> Limits:
     """What recovery (``--chameleon-ft``) cannot rebuild or move, as (ok, why)."""
     return [
         *_parallel(margs), *_pipeline(margs), *_memory(margs), *_checkpoints(margs),
-        (_get(margs, "rampup_batch_size") is None,
-         "--rampup-batch-size: the decision center plans for one global batch size"),
+        (_get(margs, "rampup_batch_size") is None, RAMPUP_REFUSED),
     ]
 
 

@@ -41,7 +41,7 @@ from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.megatron.lm_seams import setup_for_rebuild
 from chameleon_megatron.training.lm_loop import LMLoop, Providers
-from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
+from chameleon_megatron.metrics_file import MetricsWriter, continue_run, run_record
 from chameleon_megatron.training.plugin import (
     END_OF_JOB,
     TrainContext,
@@ -132,11 +132,7 @@ class MegatronLMHook:
         self._metrics.write(record)
 
     def _new_world(self, rank: int) -> None:
-        """The first rank may have died: whoever is rank 0 now appends to the metrics file."""
-        self._metrics.close()
-        path = self._metrics_path
-        self._metrics = MetricsWriter(path, enabled=rank == 0,
-                                      run_id=current_run(path) if path else None)
+        self._metrics = continue_run(self._metrics, self._metrics_path, rank)
 
     def _build_train_valid_test_data_iterators(
             self, original: Callable[..., Any]) -> Callable[..., Any]:

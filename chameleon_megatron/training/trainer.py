@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
 from chameleon_megatron.megatron import groups
-from chameleon_megatron.metrics_file import MetricsWriter, current_run, run_record
+from chameleon_megatron.metrics_file import MetricsWriter, continue_run, run_record
 from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
@@ -169,11 +169,7 @@ class Trainer(LoopPosition):
 
     def _new_world(self, rank: int, world_size: int, hints: dict[str, Any] | None) -> None:
         self.hints = dict(hints or {})
-        # The first rank may have died: whoever is rank 0 now appends to the metrics file.
-        self.metrics.close()
-        path = self.cfg.metrics.file
-        self.metrics = MetricsWriter(path, enabled=rank == 0,
-                                     run_id=current_run(path) if path else None)
+        self.metrics = continue_run(self.metrics, self.cfg.metrics.file, rank)
         self.env = DistEnv(rank=rank, world_size=world_size, local_rank=self.env.local_rank)
 
     # ----------------------------------------------------------------------------- handle

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.lm_limits import RAMPUP_REFUSED, VPP_REFUSED
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import uniform_plan
 from chameleon_megatron.resilience.decision.layout import UniformLayout
@@ -61,12 +62,10 @@ def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
     """Refuse, before training, what in-memory recovery cannot do (ConfigError/ValueError)."""
     args = ctx.args
     if ctx.vpp_size > 1:
-        raise ConfigError("--chameleon-ft: interleaved pipelines (virtual stages) are not "
-                          "supported by the recovery controller yet; drop "
+        raise ConfigError(f"--chameleon-ft: {VPP_REFUSED}; drop "
                           "--num-layers-per-virtual-pipeline-stage")
     if args.rampup_batch_size is not None:
-        raise ConfigError("--chameleon-ft: --rampup-batch-size is not supported (the "
-                          "decision center plans for one global batch size)")
+        raise ConfigError(f"--chameleon-ft: {RAMPUP_REFUSED}")
     optimizer = ctx.extra["optimizer"]
     if is_distributed(optimizer):  # recovered from its shard copies
         check_migratable(optimizer)
