@@ -15,7 +15,9 @@ from typing import Sequence
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_support import REAL_019, REPO, copy_checkout, patch, script_bytes  # noqa: E402
+from lm_support import (  # noqa: E402
+    REAL_019, REPO, copy_checkout, patch, rename_train_model_parameter, script_bytes,
+)
 from test_megatron_lm_real import USER_FLAGS, iterations, readme_recipe  # noqa: E402
 from test_megatron_lm_presets import PRESETS, probe_preset  # noqa: E402
 from test_megatron_lm_yaml import PLACEMENTS, probe_yaml_path  # noqa: E402
@@ -105,20 +107,12 @@ def test_readme_recipe_swap_is_bitwise_the_run_without_swap(checkout):
         assert f"lm loss: {plain[i]['loss']:.6E}" in log
 
 
-def _rename_train_param(ckpt: Path) -> None:
-    training = ckpt / "megatron" / "training" / "training.py"
-    text = training.read_text()
-    assert text.count("def train(\n    forward_step_func,\n    model,") == 1
-    training.write_text(text.replace("def train(\n    forward_step_func,\n    model,",
-                                     "def train(\n    forward_step_func,\n    models,"))
-
-
 def test_an_updated_checkout_is_refused_at_run_time_in_one_line(checkout):
     """Patched as 0.19, then a seam's signature changed (an updated checkout): pretrain_gpt.py
     stops before any work, one line naming the seam, exit 2."""
     ckpt, env = checkout
     patch.apply(ckpt)
-    _rename_train_param(ckpt)
+    rename_train_model_parameter(ckpt)
     message = "Megatron-LM 0.19.1: train(forward_step_func, models, "
     run = subprocess.run([sys.executable, "pretrain_gpt.py", *USER_FLAGS], env=env, cwd=ckpt,
                          capture_output=True, text=True, timeout=240)

@@ -23,7 +23,7 @@ from chameleon_megatron.resilience.store.env import AGENT_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_support import (  # noqa: E402
-    REPO, SYNTHETIC_SCRIPT, make_checkout, patch, script_bytes,
+    REPO, SYNTHETIC_SCRIPT, make_checkout, patch, rename_train_model_parameter, script_bytes,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,17 +92,9 @@ def test_a_checkout_with_known_seams_is_patched_whatever_its_version(tmp_path, m
     assert patch.apply(ckpt) is True
 
 
-def _rename_a_train_parameter(ckpt) -> None:
-    training = ckpt / "megatron" / "training" / "training.py"
-    text = training.read_text()
-    assert text.count("def train(forward_step_func, model,") == 1
-    training.write_text(text.replace("def train(forward_step_func, model,",
-                                     "def train(forward_step_func, models,"))
-
-
 def test_a_checkout_with_unknown_seams_is_refused(tmp_path):
     ckpt = make_checkout(tmp_path)
-    _rename_a_train_parameter(ckpt)
+    rename_train_model_parameter(ckpt)
     original = script_bytes(ckpt)
     with pytest.raises(patch.PatchError, match=r"^Megatron-LM 0\.16\.1: train\(forward_step_func, "
                                                r"models, .* does not start with \("
@@ -163,7 +155,7 @@ def test_cli_exit_codes_and_diff(tmp_path):
     done = subprocess.run(run + ["apply", str(ckpt)], capture_output=True, text=True)
     assert done.returncode == 0 and "patched" in done.stdout
     bad = make_checkout(tmp_path / "bad")
-    _rename_a_train_parameter(bad)
+    rename_train_model_parameter(bad)
     refused = subprocess.run(run + ["apply", str(bad)], capture_output=True, text=True)
     assert refused.returncode == 2
     assert refused.stderr.startswith("error: Megatron-LM 0.16.1: train(forward_step_func, models")
