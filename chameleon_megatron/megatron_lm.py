@@ -11,7 +11,8 @@ The patch rebinds ``pretrain = wrap_pretrain(pretrain)`` at the top of the scrip
   command-line flags still win. Each parse checks the Chameleon config against Megatron-LM's
   arguments and ends a run it cannot serve with one line, before any work.
 * Without CUDA, ``lm_cpu_platform`` patches Megatron-LM's start-up for the CPU while
-  ``pretrain()`` runs (``chameleon_megatron/megatron/lm_cpu.py``).
+  ``pretrain()`` runs (``chameleon_megatron/megatron/lm_cpu.py``), and ``validate_args``
+  gets the CPU's answers wherever it runs (0.19 calls it before ``pretrain()``).
 * While the wrapped ``pretrain()`` runs, ``MegatronLMHook`` (``training/lm_hook.py``) calls the
   plugins from Megatron-LM's loop, which ``LMLoop`` (``training/lm_loop.py``) re-enters after a
   recovery.

@@ -24,13 +24,13 @@ import difflib
 import importlib.util
 import re
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 SCRIPT = "pretrain_gpt.py"
 VERSION_FILE = "megatron/core/package_info.py"
 TRAINING = "megatron/training/training.py"
-SEAMS_FILE = Path(__file__).resolve().parents[1] / "chameleon_megatron" / "megatron" / "lm_seams.py"
+SEAMS_FILE = Path(__file__).resolve().parents[1] / "chameleon_megatron/megatron/lm_seams.py"
 """The layouts of the seams the hook binds (loaded alone, standard library only: this script
 runs before chameleon_megatron is installed)."""
 
@@ -88,11 +88,9 @@ def _function_params(checkout: Path, path: Path, name: str,
     package = path.parent.relative_to(checkout).parts
     for node in ast.parse(path.read_text(), str(path)).body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
-            a = node.args
-            names = [x.arg for x in (*a.posonlyargs, *a.args)]
-            names += [a.vararg.arg] if a.vararg else []
-            return tuple(names + [x.arg for x in a.kwonlyargs] + ([a.kwarg.arg] if a.kwarg
-                                                                   else []))
+            a = node.args  # in inspect.signature's order
+            return tuple(x.arg for x in (*a.posonlyargs, *a.args, a.vararg, *a.kwonlyargs,
+                                         a.kwarg) if x is not None)
         if isinstance(node, ast.ImportFrom) and hops and any(
                 (x.asname or x.name) == name for x in node.names):
             (alias,) = [x for x in node.names if (x.asname or x.name) == name]

@@ -17,7 +17,9 @@ While ``pretrain()`` runs on a host without CUDA (``lm_cpu_platform``):
   "device" per process: megatron builds its parallel state only when it counts a device).
   ``torch.cuda.is_available()`` keeps saying False;
 * ``validate_args``' question for the GPU generation (with TP > 1) is answered "none", and
-  ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which it then requires, is set where not given.
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which it then requires, is set where not given
+  (``cpu_arguments``; also around ``validate_args`` itself, ``validating_on_cpu``, since
+  0.19's ``pretrain_gpt.py`` validates before ``pretrain()``).
 
 Before that, ``set_cpu_defaults`` turns the Megatron-LM flags that a CPU needs into parser
 defaults (gloo, no fused CUDA kernels, no rerun state machine, local layers without

@@ -69,27 +69,23 @@ def _difference(name: str, have: Optional[tuple[str, ...]], want: tuple[str, ...
 def match_layout(version: str, have: Mapping[str, Optional[tuple[str, ...]]]) -> str:
     """The layout every seam of ``have`` (function -> its parameters, None when missing)
     matches; else ``UnsupportedMegatron`` naming the first difference from the nearest one."""
-    nearest: list[str] = []
-    for layout, seams in LAYOUTS.items():
-        found = [d for d in (_difference(n, have.get(n), want) for n, want in seams.items())
-                 if d]
-        if not found:
-            return layout
-        if not nearest or len(found) < len(nearest) - 1:
-            nearest = [layout, *found]
-    known = ", ".join(LAYOUTS)
+    differences = {layout: [d for d in (_difference(n, have.get(n), want)
+                                        for n, want in seams.items()) if d]
+                   for layout, seams in LAYOUTS.items()}
+    nearest = min(differences, key=lambda layout: len(differences[layout]))
+    if not differences[nearest]:
+        return nearest
     raise UnsupportedMegatron(
-        f"Megatron-LM {version}: {nearest[1]}, the parameters the hook expects of the "
-        f"{nearest[0]} layout (known layouts: {known}; see patches/README.md)")
+        f"Megatron-LM {version}: {differences[nearest][0]}, the parameters the hook expects "
+        f"of the {nearest} layout (known layouts: {', '.join(LAYOUTS)}; see patches/README.md)")
 
 
 def check_release(version: str, training: ModuleType, pretrain: Callable[..., Any]) -> str:
     """The layout of the imported ``training`` module's seams (``pretrain``: the function
     the script calls), or ``UnsupportedMegatron`` naming the first difference."""
-    have = {name: params(pretrain) if name == "pretrain" else (
-        params(getattr(training, name)) if hasattr(training, name) else None)
-        for name in SEAMS}
-    return match_layout(version, have)
+    bound = {name: getattr(training, name, None) for name in SEAMS} | {"pretrain": pretrain}
+    return match_layout(version, {name: None if fn is None else params(fn)
+                                  for name, fn in bound.items()})
 
 
 def setup_for_rebuild(setup: Callable[..., Any]) -> Callable[[Any, Any], Any]:
