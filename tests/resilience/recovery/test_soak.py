@@ -53,8 +53,14 @@ def soak_job(test):
         not os.environ.get("CHAMELEON_SOAK"), reason="soak jobs run with CHAMELEON_SOAK=1")(test))
 
 ITERS = 200
-STALL_S = 180
-"""Seconds without a new metrics record after which the job is taken as hung."""
+STARTUP_S = 90
+"""--chameleon-ft-startup-timeout-s: the group timeout until a layout's step time is measured,
+at start and again after every recovery (heartbeat: twice that)."""
+STALL_S = 2 * STARTUP_S + 120
+"""Seconds without a new metrics record after which the job is taken as hung: longer than
+the longest silence of a healthy job, a rank hanging in the first step after a recovery (its
+peers abandon the step after a group timeout, its agent kills it after a heartbeat timeout,
+2 x STARTUP_S), then the recovery that excludes it (CI, seed 384601: 180 s was too short)."""
 RANKS = 8
 NODES = 4
 PER_NODE = RANKS // NODES
@@ -196,7 +202,8 @@ def run_nodes(tmp: Path, plan: list[str], events: NodeEvents) -> tuple[list, dic
             "--rdzv-id=soak"]
     args = job_args(tmp, PER_NODE, [
         "--pipeline-model-parallel-size", "2", *FLAGS, "--save", str(tmp / "ckpt"),
-        "--save-interval", str(SAVE_EVERY), *FT, "--chameleon-ft-startup-timeout-s", "90",
+        "--save-interval", str(SAVE_EVERY), *FT,
+        "--chameleon-ft-startup-timeout-s", str(STARTUP_S),
         "--chameleon-ft-node-timeout-s", "10", "--chameleon-ft-respawns", str(RANKS),
         "--chameleon-ft-respawn-delay-s", "0", *faults(*plan)], ITERS)
     logs = [tmp / f"log{g}" for g in range(NODES)] + [tmp / "log-join"]
