@@ -414,25 +414,20 @@ class LMLoop(LoopPosition):
         if tp * pp < 1 or world_size % (tp * pp) or args.num_layers % pp:
             raise ConfigError(f"layout tp={tp} x pp={pp} over {world_size} ranks does not fit "
                               f"{args.num_layers} layers")
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-        args.transformer_pipeline_model_parallel_size = pp
-        args.world_size, args.rank = world_size, rank
-        args.data_parallel_size = world_size // (tp * pp)
-        from megatron.core.num_microbatches_calculator import (
-            reconfigure_num_microbatches_calculator,
-        )
-
-        reconfigure_num_microbatches_calculator(
-            rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-            args.data_parallel_size, args.decrease_batch_size_if_needed)
-        kept = (args.iteration, args.num_floating_point_operations_so_far, args.load,
-                args.pretrained_checkpoint)
-        args.load = args.pretrained_checkpoint = None
+        layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                  "transformer_pipeline_model_parallel_size": pp, "world_size": world_size,
+                  "rank": rank, "data_parallel_size": world_size // (tp * pp)}
+        standing = {name: getattr(args, name, None) for name in layout}
+        # setup_model_and_optimizer reads the global arguments: they describe the new layout
+        # while it runs, and the standing one again if it fails.
+        vars(args).update(layout)
         try:
-            built = self._setup(self.providers.model_provider, self.providers.model_type)
-        finally:
-            (args.iteration, args.num_floating_point_operations_so_far, args.load,
-             args.pretrained_checkpoint) = kept
+            _reconfigure_microbatches(args)
+            built = self._setup_without_load(args)
+        except BaseException:
+            vars(args).update(standing)
+            _reconfigure_microbatches(args)
+            raise
         self.built(*built)
         for cached in ("save_strategy", "load_strategy"):  # made for the old groups
             self._checkpointing.pop(cached, None)
@@ -440,6 +435,18 @@ class LMLoop(LoopPosition):
         self._new_world(rank)
         self._changes += 1
         self._announce(self.context())
+
+    def _setup_without_load(self, args: Any) -> tuple[Any, Any, Any]:
+        """Megatron-LM's ``setup_model_and_optimizer`` with nothing loaded from a checkpoint
+        (its iteration and FLOP counters kept: state is the caller's to move in)."""
+        kept = (args.iteration, args.num_floating_point_operations_so_far, args.load,
+                args.pretrained_checkpoint)
+        args.load = args.pretrained_checkpoint = None
+        try:
+            return self._setup(self.providers.model_provider, self.providers.model_type)
+        finally:
+            (args.iteration, args.num_floating_point_operations_so_far, args.load,
+             args.pretrained_checkpoint) = kept
 
     def load(self, path: str) -> bool:
         """Load the latest Megatron-LM checkpoint under ``path``; False when there is none."""
@@ -494,3 +501,14 @@ def _reset_rerun_state() -> None:
     from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
     get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
+
+
+def _reconfigure_microbatches(args: Any) -> None:
+    """Megatron's microbatch calculator for the data-parallel size ``args`` states."""
+    from megatron.core.num_microbatches_calculator import (
+        reconfigure_num_microbatches_calculator,
+    )
+
+    reconfigure_num_microbatches_calculator(
+        args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size, args.decrease_batch_size_if_needed)

@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
@@ -242,3 +243,63 @@ def test_a_checkpoint_loaded_between_steps_unwinds_and_re_enters_train(tmp_path:
     run(fake, [LoadOnce()])
     assert [e[:2] for e in fake.entries] == [(0, 0), (3, 24)]
     assert fake.steps == [1, 4]  # step 2's between-steps work loaded step 3's checkpoint
+
+
+def _layout_args(fake: Megatron, **layout: int) -> None:
+    fake.args.__dict__.update(num_layers=4, rampup_batch_size=None, global_batch_size=16,
+                              micro_batch_size=2, decrease_batch_size_if_needed=False,
+                              pretrained_checkpoint=None, **layout)
+
+
+@pytest.mark.parametrize("setup_fails", [False, True])
+def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails: bool):
+    """setup_model_and_optimizer reads the global arguments, so they state the new layout
+    while it runs; a rebuild that fails there (say, out of memory) leaves the arguments and
+    the microbatch count of the layout that still stands."""
+    from megatron.core.num_microbatches_calculator import (
+        get_num_microbatches, init_num_microbatches_calculator,
+        unset_num_microbatches_calculator,
+    )
+
+    fake = Megatron()
+    standing = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                    transformer_pipeline_model_parallel_size=2, world_size=8, rank=5,
+                    data_parallel_size=4)
+    _layout_args(fake, **standing)
+    seen = []
+
+    def setup(model_provider, model_type):
+        a = fake.args
+        seen.append((a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                     a.data_parallel_size, get_num_microbatches(), a.load))
+        if setup_fails:
+            raise torch.OutOfMemoryError("no room for the new layout")
+        return [model], "optimizer", Scheduler()
+
+    model = torch.nn.Linear(2, 2)
+    fake.args.load = "/ckpt"
+    fake.mpu = types.SimpleNamespace(**{f"get_{what}": lambda: 0 for what in (
+        "tensor_model_parallel_rank", "pipeline_model_parallel_rank",
+        "pipeline_model_parallel_world_size", "data_parallel_rank",
+        "pipeline_model_parallel_group")})
+    fake.args.virtual_pipeline_model_parallel_size = None
+    loop = LMLoop(fake, [], Providers("datasets", "model", "type"), setup=setup,
+                  build_iterators=fake.build_iterators, announce=lambda ctx: None,
+                  emit=lambda rec: None, new_world=lambda rank: None)
+    init_num_microbatches_calculator(5, None, 16, 2, 4, False)
+    try:
+        if setup_fails:
+            with pytest.raises(torch.OutOfMemoryError):
+                loop.rebuild(tp=1, pp=2, rank=3, world_size=4)
+        else:
+            loop.rebuild(tp=1, pp=2, rank=3, world_size=4)
+        assert seen == [(1, 2, 2, 4, None)]  # the new layout, nothing loaded from --load
+        now = {name: getattr(fake.args, name) for name in standing}
+        if setup_fails:
+            assert now == standing and get_num_microbatches() == 2
+        else:
+            assert now == {**standing, "world_size": 4, "rank": 3, "data_parallel_size": 2}
+            assert get_num_microbatches() == 4 and loop.model == [model]
+        assert fake.args.load == "/ckpt"
+    finally:
+        unset_num_microbatches_calculator()
