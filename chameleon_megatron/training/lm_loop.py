@@ -33,7 +33,6 @@ from chameleon_megatron.training.loop_position import LoopPosition, end_of_job_d
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
     END_OF_JOB,
-    StepAction,
     TrainContext,
     TrainerPlugin,
 )
@@ -180,24 +179,15 @@ class LMLoop(LoopPosition):
                 clear_frames(exc)  # the failed step's activations
                 phase, iteration = self.after_step, self.iteration
                 try:
-                    action = self._on_failed(exc)
+                    action = self._on_step_failed(exc)
                 finally:
                     self.after_step = ""
                 if action is None:
                     raise
                 if action == "stop":
                     raise Leave() from None
-                if phase and self.iteration == iteration and not self._redo_after:
-                    self._redo_after = phase  # redone here alone (no recovery agreed on it)
+                self._redo_alone(phase, iteration)
                 self._reentry()
-
-    def _on_failed(self, exc: Exception) -> StepAction | None:
-        action = next((a for p in self.plugins if (a := p.on_step_failed(exc, self))), None)
-        if action != "abandon":
-            return action
-        if self.world_size == 1:
-            return "redo"
-        return next((a for p in self.plugins if (a := p.abandon_step(exc, self))), None)
 
     @property
     def valid_samples(self) -> int:

@@ -1,6 +1,7 @@
 """Where a training loop stands, written once for both entries' loops (chameleon's
 ``Trainer`` and Megatron-LM's ``LMLoop``): the step, the samples consumed, the work after a
-step that a recovery agreed to redo, and which of that work is due after a step.
+step that a recovery agreed to redo, which of that work is due after a step, and what the
+plugins make of a failed step.
 """
 
 from __future__ import annotations
@@ -9,7 +10,13 @@ import argparse
 import logging
 from typing import Any
 
+from chameleon_megatron.training.plugin import StepAction, TrainerPlugin
+
 logger = logging.getLogger(__name__)
+
+
+class StepNotRedone(RuntimeError):
+    """A step failed on this rank alone, and nothing can make the others redo it."""
 
 
 def work_due(args: argparse.Namespace, iteration: int, phase: str, *, final_save: bool) -> bool:
@@ -41,8 +48,10 @@ _WORK_NAMES = {"eval": "evaluation", "save": "checkpoint", "final-save": "final 
 
 class LoopPosition:
     """The position part of a loop (a base class of both loops): ``resume_at`` is how a
-    recovery moves it, ``_take_redo_after`` how the loop reads what is left to redo."""
+    recovery moves it, ``_take_redo_after`` how the loop reads what is left to redo, and
+    ``_on_step_failed`` how a failure becomes the loop's next action."""
 
+    plugins: list[TrainerPlugin]
     iteration: int
     consumed_samples: int
     scheduler: Any
@@ -52,6 +61,10 @@ class LoopPosition:
 
     @property
     def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
         raise NotImplementedError
 
     @property
@@ -66,9 +79,34 @@ class LoopPosition:
         self.scheduler.load_state_dict(scheduler_state)  # a fresh schedule: adds its steps
         self._redo_after = after_step
 
+    def _redo_alone(self, phase: str, iteration: int) -> None:
+        """The work after step ``iteration`` failed in ``phase`` ("": in the step) and was
+        answered: unless a recovery moved the loop (to another step, or to the phase the
+        members agreed on), this rank redoes that phase before the next step."""
+        if phase and self.iteration == iteration and not self._redo_after:
+            self._redo_after = phase
+
     def _take_redo_after(self) -> str:
         phase, self._redo_after = self._redo_after, ""
         if self.rank == 0:
             logger.info("the work after step %d is redone from its %s in the new layout",
                         self.iteration, _WORK_NAMES[phase])
         return phase
+
+    def _on_step_failed(self, exc: Exception) -> StepAction | None:
+        """The first plugin's answer to a failed step (None: no plugin takes it, re-raise).
+        "abandon" (this rank can redo the step, e.g. with a lowered swap budget) is a redo
+        every rank must agree on: alone it is one; with peers the plugins make them abandon
+        it too, or the step cannot be redone."""
+        action = next((a for p in self.plugins if (a := p.on_step_failed(exc, self))), None)
+        if action != "abandon":
+            return action
+        if self.world_size == 1:
+            return "redo"
+        together = next((a for p in self.plugins if (a := p.abandon_step(exc, self))), None)
+        if together is None:
+            raise StepNotRedone(
+                f"rank {self.rank}: step {self.iteration + 1} failed ({type(exc).__name__}: "
+                f"{exc}) and redoing it needs every rank of the job: run under chameleon-run "
+                "with --chameleon-ft, or give the job more memory") from exc
+        return together

@@ -39,10 +39,6 @@ from chameleon_megatron.training.validate import validate_args
 logger = logging.getLogger(__name__)
 
 
-class StepNotRedone(RuntimeError):
-    """A step failed on this rank alone, and nothing can make the others redo it."""
-
-
 class Trainer(LoopPosition):
     """One training run on this rank; ``setup()`` then ``train()``, ``close()`` at the end.
     Plugins see it as a ``TrainerHandle``."""
@@ -328,8 +324,7 @@ class Trainer(LoopPosition):
             if action == "stop":
                 return action
             if action is not None:
-                if self.iteration == iteration and not self._redo_after:
-                    self._redo_after = phase  # redone here alone (no recovery agreed on it)
+                self._redo_alone(phase, iteration)
                 return "redo"
         return None
 
@@ -349,20 +344,6 @@ class Trainer(LoopPosition):
         checkpoint.save_checkpoint(self.args.save, self.model, self.optimizer, self.scheduler,
                                    iteration=self.iteration,
                                    consumed_samples=self.consumed_samples)
-
-    def _on_step_failed(self, exc: Exception) -> StepAction | None:
-        action = next((a for p in self.plugins if (a := p.on_step_failed(exc, self))), None)
-        if action != "abandon":
-            return action
-        if self.env.world_size == 1:
-            return "redo"
-        together = next((a for p in self.plugins if (a := p.abandon_step(exc, self))), None)
-        if together is None:
-            raise StepNotRedone(
-                f"rank {self.env.rank}: step {self.iteration + 1} failed ({type(exc).__name__}: "
-                f"{exc}) and redoing it needs every rank of the job: run under chameleon-run "
-                "with --chameleon-ft, or give the job more memory") from exc
-        return together
 
     def emit(self, rec: dict[str, Any]) -> None:
         """Keep a record in this rank's history and write it to the metrics file (rank 0)."""

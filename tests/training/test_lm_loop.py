@@ -18,6 +18,7 @@ from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machin
 
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.lm_loop import Leave, LMLoop, Providers
+from chameleon_megatron.training.loop_position import StepNotRedone
 from chameleon_megatron.training.plugin import TrainerPlugin
 
 pytestmark = pytest.mark.timeout(60)
@@ -303,3 +304,21 @@ def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails:
         assert fake.args.load == "/ckpt"
     finally:
         unset_num_microbatches_calculator()
+
+
+class Abandon(TrainerPlugin):
+    """A swap plugin after an out-of-memory step: this rank could redo it."""
+
+    def on_step_failed(self, exc, trainer):
+        return "abandon" if isinstance(exc, torch.OutOfMemoryError) else None
+
+
+def test_an_abandoned_step_is_redone_alone_and_refused_when_peers_cannot_agree(monkeypatch):
+    """The failure dispatch both loops share: alone, an abandoned step is redone; with peers
+    and no plugin to make them abandon it too, the job ends saying why."""
+    fake = Megatron({("step", 3): torch.OutOfMemoryError("no room")})
+    assert run(fake, [Abandon()]) == (4, 0.0) and fake.steps == [1, 2, 3, 4]
+    monkeypatch.setattr(LMLoop, "world_size", property(lambda self: 2))
+    with pytest.raises(StepNotRedone, match=r"rank 0: step 3 failed \(OutOfMemoryError: no "
+                                            r"room\) and redoing it needs every rank"):
+        run(Megatron({("step", 3): torch.OutOfMemoryError("no room")}), [Abandon()])
