@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/setup_host_tools.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 pytest=(.venv/bin/python -m pytest -q --durations=20)
 if [ $# -gt 0 ]; then
