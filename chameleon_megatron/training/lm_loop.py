@@ -479,9 +479,17 @@ class LMLoop(LoopPosition):
 
 def _reset_timers(timers: Any) -> None:
     """Stop the timers a failure left running: train() starts its interval timer again, and
-    megatron's timers refuse a second start."""
-    for timer in getattr(timers, "_timers", {}).values():
-        if getattr(timer, "_started", False):
+    megatron's timers refuse a second start. Megatron's ``Timers`` keeps them in ``_timers``,
+    each saying whether it runs in ``_started`` (0.16 to 0.19); a release that changes that
+    is refused here, by name, rather than failing at train()'s second start."""
+    running = getattr(timers, "_timers", None)
+    if not isinstance(running, dict) or not all(
+            isinstance(getattr(t, "_started", None), bool) for t in running.values()):
+        raise RuntimeError(
+            f"megatron's {type(timers).__name__} keeps no _timers of Timer objects with "
+            "_started: the timers a failure left running cannot be stopped in this release")
+    for timer in running.values():
+        if timer._started:
             timer.reset()
 
 

@@ -92,9 +92,11 @@ import types
 
 import torch
 
+from megatron.core.timers import Timers
 from megatron.training.initialize import initialize_megatron
 
 ARGS = None
+TIMERS = Timers(0, "max")
 EVAL_AFTER = 2  # evaluate after this many steps
 
 mpu = types.SimpleNamespace(
@@ -111,7 +113,7 @@ def get_args():
 
 
 def get_timers():
-    return None
+    return TIMERS
 
 
 def get_model_config(model):

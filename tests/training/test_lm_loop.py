@@ -322,3 +322,17 @@ def test_an_abandoned_step_is_redone_alone_and_refused_when_peers_cannot_agree(m
     with pytest.raises(StepNotRedone, match=r"rank 0: step 3 failed \(OutOfMemoryError: no "
                                             r"room\) and redoing it needs every rank"):
         run(Megatron({("step", 3): torch.OutOfMemoryError("no room")}), [Abandon()])
+
+
+def test_the_timers_a_failure_left_running_are_stopped_and_a_changed_timers_is_refused():
+    from megatron.core.timers import Timers as MegatronTimers
+
+    from chameleon_megatron.training.lm_loop import _reset_timers
+
+    timers = MegatronTimers(0, "max")
+    timers("interval-time").start()
+    _reset_timers(timers)
+    timers("interval-time").start()  # megatron's own Timer refuses a second start
+    for changed in (types.SimpleNamespace(), types.SimpleNamespace(_timers={"t": object()})):
+        with pytest.raises(RuntimeError, match="keeps no _timers of Timer objects"):
+            _reset_timers(changed)
