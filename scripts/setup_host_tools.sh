@@ -10,10 +10,10 @@ if ! command -v apt-get > /dev/null; then
     echo "setup_host_tools.sh: no iptables and no apt-get: the slow-link tests will skip"
     exit 0
 fi
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q iptables > /tmp/setup_host_tools.log 2>&1 \
-    || { apt-get update -q > /dev/null 2>&1 \
-         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iptables \
-            > /tmp/setup_host_tools.log 2>&1; } \
+# bounded: an unreachable mirror must not hold the test run
+apt() { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get -q -o Acquire::http::Timeout=30 "$@"; }
+apt install -y iptables > /tmp/setup_host_tools.log 2>&1 \
+    || { apt update > /dev/null 2>&1 && apt install -y iptables > /tmp/setup_host_tools.log 2>&1; } \
     || echo "setup_host_tools.sh: installing iptables failed (the slow-link tests will" \
             "skip): $(tail -1 /tmp/setup_host_tools.log)"
 exit 0
