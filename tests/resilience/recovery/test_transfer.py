@@ -30,9 +30,13 @@ class DictView:
 
 def run_members(size: int, body: Callable[[int, dist.ProcessGroup, dist.Store], object],
                 timeout_s: float = 5.0) -> list:
-    """Run body(group rank, group, store) on ``size`` threads; results or raised exceptions."""
+    """Run body(group rank, group, store) on ``size`` threads; results or raised exceptions.
+    Bodies start once every member's group is built: a member that leaves at once must not
+    close its connections while the others' gloo is still connecting (that fails their group
+    construction, not what the test asks about)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results: list = [None] * size
+    built = threading.Barrier(size)
 
     def member(rank: int) -> None:
         try:
@@ -40,6 +44,7 @@ def run_members(size: int, body: Callable[[int, dist.ProcessGroup, dist.Store], 
                                    timeout=datetime.timedelta(seconds=timeout_s))
             group = unregistered_gloo_group(dist.PrefixStore("pg/", client), rank, size,
                                             timeout_s=timeout_s)
+            built.wait(timeout=30)
             results[rank] = body(rank, group, dist.PrefixStore("mig/", client))
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results[rank] = exc
