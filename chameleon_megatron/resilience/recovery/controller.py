@@ -268,6 +268,8 @@ class RecoveryController:
         self.decider.cancel()  # the recovery needs the processor
         self.teardown.leave()
         self._completed = trainer.iteration
+        if self.shards is not None:
+            self.shards.settle(failed=True)  # not a copy stuck on a rank that left
         held = Held.of(trainer, self.rng_for_redo(trainer.iteration), self.shards)
         self._cause, self._invited = cause, ()
         return self._serve(trainer, held, abandoned, timeouts)

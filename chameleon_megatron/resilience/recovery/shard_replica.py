@@ -50,6 +50,9 @@ from chameleon_megatron.resilience.recovery.run_state import RunState
 
 logger = logging.getLogger(__name__)
 
+PATIENCE_S = 2.0
+"""After a failed step, the least time a copy still exchanging gets to land."""
+
 
 @dataclass(frozen=True)
 class ShardCopy:
@@ -181,10 +184,13 @@ class _Flight:
             self.error = exc
         self.seconds = time.perf_counter() - start
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the exchange (at most ``timeout_s``); whether it ended."""
+        self._thread.join(timeout_s)
         for hook in self.hooks:
             hook.remove()
+        self.hooks = []
+        return not self._thread.is_alive()
 
 
 class ShardReplicas:
@@ -208,6 +214,8 @@ class ShardReplicas:
         """Time the training thread spent in refreshes (the steps wait for it)."""
         self.exchange_seconds = 0.0
         """Time the exchanges took on their thread, overlapping the steps."""
+        self._last_exchange_s = 0.0
+        """The last committed copy's exchange time."""
 
     @property
     def run(self) -> RunState | None:
@@ -252,15 +260,24 @@ class ShardReplicas:
             self._land(raise_error=True, drop_older=True)
         self.seconds += time.perf_counter() - start
 
-    def settle(self) -> None:
-        """Wait for the copy in flight: committed, or dropped (its error logged)."""
-        self._land(raise_error=False)
+    def settle(self, *, failed: bool = False) -> None:
+        """Wait for the copy in flight: committed, or dropped (its error logged). ``failed``:
+        the step failed. A copy still exchanging well past the usual exchange time then
+        waits on a rank that left (a gloo receive posted after its peer's connection closed
+        waits out the group's timeout: 5-39 s measured) and can never commit (the commit
+        needs every rank of the world): it is dropped, the committed copies stand."""
+        patience = max(PATIENCE_S, 4 * self._last_exchange_s) if failed else None
+        self._land(raise_error=False, patience_s=patience)
 
-    def _land(self, *, raise_error: bool, drop_older: bool = False) -> None:
+    def _land(self, *, raise_error: bool, drop_older: bool = False,
+              patience_s: float | None = None) -> None:
         flight, self._flight = self._flight, None
         if flight is None:
             return
-        flight.join()
+        if not flight.join(patience_s):  # its thread ends at its group's timeout
+            logger.warning("shard copy of step %d dropped: still exchanging after %.1f s "
+                           "with a rank that left", flight.copy.iteration, patience_s)
+            return
         self.exchange_seconds += flight.seconds
         if flight.error is not None:
             logger.warning("shard copy of step %d failed: %s", flight.copy.iteration,
@@ -270,6 +287,7 @@ class ShardReplicas:
                 raise flight.error
             return
         done = CopySet(flight.copy, flight.replica, flight.run)
+        self._last_exchange_s = flight.seconds
         if drop_older and self.sets:
             self._spare = self.sets[-1]
             self.sets = []

@@ -147,3 +147,29 @@ def test_overlapped_copies_recover_what_synchronous_ones_do(tmp_path: Path, fail
         assert bool(overlap[rank]["error"]) == fail, overlap[rank]["error"]  # (reset, timeout)
     # overlapped, the two newest committed pairs stay (the older one recycled at a refresh)
     assert overlap[1]["held"] == ([2] if fail else [4, 6])
+
+
+def test_after_a_failed_step_a_copy_stuck_on_a_rank_that_left_is_dropped(monkeypatch) -> None:
+    """A copy whose exchange waits on a rank that left would hold the recovery for its
+    group's whole timeout (measured: 5-39 s): after a failed step it gets a bounded wait,
+    then is dropped and the committed copies stand. Without a failure, settling waits for
+    the copy and commits it."""
+    import threading
+    import time
+    import types
+
+    monkeypatch.setattr(shard_replica, "PATIENCE_S", 0.2)
+    release = threading.Event()
+    copy = types.SimpleNamespace(iteration=11, rank=0, nbytes=0)
+    replicas = shard_replica.ShardReplicas(interval=1)
+    replicas._flight = shard_replica._Flight(copy, RunState(iteration=11, consumed_samples=0),
+                                             lambda _: release.wait(30) and None)
+    start = time.monotonic()
+    replicas.settle(failed=True)
+    assert time.monotonic() - start < 5 and replicas.sets == [] and replicas._flight is None
+    release.set()
+
+    replicas._flight = shard_replica._Flight(copy, RunState(iteration=11, consumed_samples=0),
+                                             lambda _: time.sleep(0.5))
+    replicas.settle()
+    assert [s.iteration for s in replicas.sets] == [11]
