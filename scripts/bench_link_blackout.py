@@ -66,13 +66,13 @@ def one(window_s: float, port: int, *, blackout_s: float = 0.0, delay_ms: float 
                 stop(p)
         recs = records(out / "metrics.jsonl")
         recoveries = [r for r in recs if r["event"] == "recovery"]
-        seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
+        steps = [(r["iteration"], r["step_time_s"]) for r in recs if r["event"] == "iteration"]
+        seen = [it for it, _ in steps]
         failed = sorted({rank for r in recoveries for rank in r.get("failed_ranks") or []})
         outcome = ("the job did not finish" if not seen or seen[-1] != ITERS else
                    "host 1 lost" if failed else
                    "step abandoned, redone" if recoveries or len(seen) != len(set(seen)) else
                    "nothing")
-        steps = [(r["iteration"], r["step_time_s"]) for r in recs if r["event"] == "iteration"]
         before = [t for it, t in steps if 2 < it <= 4]
         after = [t for it, t in steps if it > 5]
         slowdown = statistics.median(after) / statistics.median(before) if after else float("nan")

@@ -148,6 +148,7 @@ class LMLoop(LoopPosition):
         entry = Entry(forward_step_func, process_non_loss_data_func, checkpointing_context,
                       non_loss_data_func)
         args = self._training.get_args()
+        _timers_of(self._training.get_timers())  # what a recovery resets, checked first
         self.iteration, self.consumed_samples = args.iteration, args.consumed_train_samples
         self._flops = args.num_floating_point_operations_so_far
         if isinstance(checkpointing_context, dict):
@@ -477,18 +478,23 @@ class LMLoop(LoopPosition):
         )
 
 
-def _reset_timers(timers: Any) -> None:
-    """Stop the timers a failure left running: train() starts its interval timer again, and
-    megatron's timers refuse a second start. Megatron's ``Timers`` keeps them in ``_timers``,
-    each saying whether it runs in ``_started`` (0.16 to 0.19); a release that changes that
-    is refused here, by name, rather than failing at train()'s second start."""
-    running = getattr(timers, "_timers", None)
-    if not isinstance(running, dict) or not all(
-            isinstance(getattr(t, "_started", None), bool) for t in running.values()):
+def _timers_of(timers: Any) -> dict[str, Any]:
+    """Megatron's timers by name: ``Timers`` keeps them in ``_timers``, each saying whether it
+    runs in ``_started`` (0.16 to 0.19). A release that changes that is refused by name when
+    ``train()`` is first entered, not at a recovery."""
+    found = getattr(timers, "_timers", None)
+    if not isinstance(found, dict) or not all(
+            isinstance(getattr(t, "_started", None), bool) for t in found.values()):
         raise RuntimeError(
             f"megatron's {type(timers).__name__} keeps no _timers of Timer objects with "
             "_started: the timers a failure left running cannot be stopped in this release")
-    for timer in running.values():
+    return found
+
+
+def _reset_timers(timers: Any) -> None:
+    """Stop the timers a failure left running: train() starts its interval timer again, and
+    megatron's timers refuse a second start."""
+    for timer in _timers_of(timers).values():
         if timer._started:
             timer.reset()
 

@@ -336,3 +336,8 @@ def test_the_timers_a_failure_left_running_are_stopped_and_a_changed_timers_is_r
     for changed in (types.SimpleNamespace(), types.SimpleNamespace(_timers={"t": object()})):
         with pytest.raises(RuntimeError, match="keeps no _timers of Timer objects"):
             _reset_timers(changed)
+    fake = Megatron()
+    fake.timers = types.SimpleNamespace()  # a release whose Timers moved its state
+    with pytest.raises(RuntimeError, match="keeps no _timers"):
+        run(fake, [Resume()])
+    assert fake.steps == []  # refused before the first step
