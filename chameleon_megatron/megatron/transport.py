@@ -1,4 +1,5 @@
-"""Closing the gloo transport of this process, so that an operation blocked in it returns.
+"""The gloo transport of this process: closing it, so that an operation blocked in it
+returns, and reading how much data it has carried.
 
 On gloo nothing torch offers (``abort``, ``shutdown``, ``destroy_process_group``) interrupts
 an operation blocked on a live peer: it waits for the peer or for the group's timeout, and
@@ -8,8 +9,11 @@ makes such an operation raise "Connection closed by peer" within milliseconds, o
 process and on the peers at the other end. The job store's connections are kept: they are
 the ones to or from its port.
 
-Linux only (the connections are found in ``/proc``); elsewhere nothing is closed and the
-groups' timeouts bound the wait.
+``bytes_moved`` reads each connection's byte counters from the kernel (``TCP_INFO``): they
+show a collective advancing even while each of its waits is long, which a slow link makes.
+
+Linux only (the connections are found in ``/proc``); elsewhere nothing is closed, no traffic
+is seen, and the groups' timeouts bound the wait.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 from pathlib import Path
+from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +65,21 @@ def _socket_fds() -> dict[int, int]:
     return out
 
 
+def _connections(keep_ports: set[int]) -> Iterator[tuple[int, int]]:
+    """(socket inode, file descriptor) of this process's established TCP connections, but
+    those to or from a port in ``keep_ports``."""
+    ports = _tcp_ports()
+    for inode, fd in _socket_fds().items():
+        local_remote = ports.get(inode)
+        if local_remote is not None and not keep_ports & set(local_remote):
+            yield inode, fd
+
+
 def close_connections(keep_ports: set[int]) -> int:
     """Shut down this process's established TCP connections except those to or from a port
     in ``keep_ports``; returns how many were shut down."""
-    ports = _tcp_ports()
     closed = 0
-    for inode, fd in _socket_fds().items():
-        local_remote = ports.get(inode)
-        if local_remote is None or keep_ports & set(local_remote):
-            continue
+    for _, fd in _connections(keep_ports):
         try:
             with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as dup:
                 dup.shutdown(socket.SHUT_RDWR)
@@ -75,3 +87,24 @@ def close_connections(keep_ports: set[int]) -> int:
         except OSError as exc:  # closed meanwhile, or not a stream socket after all
             logger.debug("shutdown of fd %d skipped: %s", fd, exc)
     return closed
+
+
+_TCP_INFO_LEN = 136
+_BYTES = struct.Struct("=QQ")
+"""tcpi_bytes_acked, tcpi_bytes_received: at offset 120 of Linux's struct tcp_info (4.2+)."""
+
+
+def bytes_moved(keep_ports: set[int]) -> dict[int, int]:
+    """socket inode -> bytes the peer acknowledged plus bytes received, for each of this
+    process's established TCP connections except those to or from ``keep_ports``: they grow
+    while the connection carries data, in either direction."""
+    out: dict[int, int] = {}
+    for inode, fd in _connections(keep_ports):
+        try:
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as dup:
+                info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            continue  # closed meanwhile
+        if len(info) >= _TCP_INFO_LEN:
+            out[inode] = sum(_BYTES.unpack_from(info, 120))
+    return out

@@ -3,6 +3,8 @@ that interrupts a peer blocked on this rank."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -12,13 +14,13 @@ from chameleon_megatron.megatron.platform import cpu_platform
 from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.detector import FailureDetector
-from chameleon_megatron.resilience.store.heartbeat import read_beats
+from chameleon_megatron.resilience.store.heartbeat import Heartbeat, read_beats
 from chameleon_megatron.resilience.store.job_store import JobStore
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 
-def test_build_use_and_tear_down_a_world() -> None:
+def test_build_use_and_tear_down_a_world(tmp_path: Path) -> None:
     with cpu_platform():
         with pytest.raises(ValueError, match=r"rank=1: must be in \[0, 1\)"):
             groups.init_world(dist.HashStore(), 1, 1, backend="gloo", timeout_s=5)
@@ -31,7 +33,7 @@ def test_build_use_and_tear_down_a_world() -> None:
             n = groups.set_timeouts(1.5)
             assert n == len(torch_seams.registered_groups()) > 5  # the world and megatron's groups
             assert Teardown("gloo", None).interrupt() == 0  # no NCCL; no store port: no shutdown
-            _detector_derives_timeouts_once_steps_are_measured()
+            _detector_derives_timeouts_once_steps_are_measured(tmp_path)
             with pytest.raises(ValueError, match="timeout=0 s: must be > 0"):
                 groups.set_timeouts(0)
         finally:
@@ -40,18 +42,18 @@ def test_build_use_and_tear_down_a_world() -> None:
         groups.destroy()  # idempotent
 
 
-def _detector_derives_timeouts_once_steps_are_measured() -> None:
+def _detector_derives_timeouts_once_steps_are_measured(beats: Path) -> None:
     job = JobStore(dist.HashStore(), "run")
     ft = ResilienceConfig(startup_timeout_s=50, timing_steps=2, pg_timeout_factor=3,
                           min_pg_timeout_s=0.5)
-    detector = FailureDetector(job, 0, ft)
+    detector = FailureDetector(job, 0, ft, Heartbeat(beats, 0))
     for iteration, seconds, heartbeat in [(1, 10.0, 100.0), (2, 0.4, 100.0), (3, 0.6, 3.6)]:
         detector.step_done(iteration, seconds)
-        beat = read_beats(job, [0])[0]
+        beat = read_beats(beats, [0])[0]
         assert (beat.iteration, beat.timeout_s) == (iteration, pytest.approx(heartbeat))
     assert detector.timeouts.pg_s == pytest.approx(1.8)
     detector.new_layout()
-    assert detector.timeouts.pg_s == 50 and read_beats(job, [0])[0].timeout_s == 100
+    assert detector.timeouts.pg_s == 50 and read_beats(beats, [0])[0].timeout_s == 100
 
 
 def _blocked_peer(rank: int, port: int, backend: str, out) -> None:

@@ -38,6 +38,7 @@ from chameleon_megatron.resilience.launch.deadline import Unanswered, within
 from chameleon_megatron.resilience.launch.nodes import NodeWatch, publish_launch
 from chameleon_megatron.resilience.launch.store_loss import StoreLost
 from chameleon_megatron.resilience.launch.worker_pool import Member, WorkerPool, WorkerSlot
+from chameleon_megatron.resilience.store.env import BEAT_DIR_ENV
 from chameleon_megatron.resilience.store.job_store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ChameleonAgent(LocalElasticAgent):
                                 [w.global_rank for w in worker_group.workers],
                                 timeout_s=self._ft.node_timeout_s, addr=addr)
         self._pool = WorkerPool(job, self._ft, node=self._node, nodes=self._nodes)
+        os.environ[BEAT_DIR_ENV] = str(self._pool.beat_dir)  # torchrun's workers inherit it
         started_at = time.time()
         pids = super()._start_workers(worker_group)
         started = torch_seams.started_workers(self)
@@ -92,6 +94,9 @@ class ChameleonAgent(LocalElasticAgent):
             if not verdict.go_on:
                 pool.kill_all()
                 raise quorum.CutOff("the other launch agents are silent", verdict)
+        elif pool.all_left():  # not the store's host: nothing keeps this node up
+            raise quorum.CutOff("every worker of this node was declared failed (the job went "
+                                "on without them)", quorum.left_behind())
         if not pool.all_exited() or not nodes.job_finished():
             return RunResult(state=WorkerState.HEALTHY)
         return self._result(pool)

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CUT_OFF_EXIT = 75
-"""The launcher's status when its node stopped because it is cut off from the job (sysexits'
-EX_TEMPFAIL: the job goes on elsewhere, or may be resumed from its checkpoint)."""
+from chameleon_megatron.resilience.store.exits import CUT_OFF_EXIT
 
 
 @dataclass(frozen=True)
@@ -61,3 +59,8 @@ class CutOff(Exception):
     def __init__(self, lost: str, verdict: Verdict) -> None:
         super().__init__(f"cut off from the job: {lost}; {verdict.why}: its workers are stopped "
                          f"and it exits ({CUT_OFF_EXIT})")
+
+
+def left_behind() -> Verdict:
+    """A node, not the store's host, whose every worker the job went on without."""
+    return Verdict(False, "this node does not host the job store")

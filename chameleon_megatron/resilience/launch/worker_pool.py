@@ -16,14 +16,17 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Callable
 
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.launch.nodes import NodeWatch
 from chameleon_megatron.resilience.store.announce import FailureRecord, announce
-from chameleon_megatron.resilience.store.env import JOIN_ENV
+from chameleon_megatron.resilience.store.env import BEAT_DIR_ENV, JOIN_ENV
+from chameleon_megatron.resilience.store.exits import WORKER_LEFT_EXIT
 from chameleon_megatron.resilience.store.heartbeat import overdue, read_beats
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import allocate_join_id
@@ -81,6 +84,9 @@ class WorkerPool:
         self._restarts: list[tuple[float, Member]] = []
         """(when, failed member) of restarts not yet done."""
         self._respawns_left = ft.respawns
+        self._beats = tempfile.TemporaryDirectory(prefix="chameleon-beats-")
+        self.beat_dir = Path(self._beats.name)
+        """Where the workers write their heartbeats (``BEAT_DIR_ENV``; removed at exit)."""
 
     def add(self, member: Member) -> None:
         self.members[member.rank] = member
@@ -104,6 +110,11 @@ class WorkerPool:
         """No worker runs and none is waiting to be restarted."""
         return not self._restarts and all(m.exitcode is not None for m in self.members.values())
 
+    def all_left(self) -> bool:
+        """Every worker the job went on without (``WORKER_LEFT_EXIT``), none to restart."""
+        return self.all_exited() and bool(self.members) and all(
+            m.exitcode == WORKER_LEFT_EXIT for m in self.members.values())
+
     def any_succeeded(self) -> bool:
         return any(m.exitcode == 0 for m in self.members.values())
 
@@ -111,7 +122,8 @@ class WorkerPool:
         """Start a joiner in ``slot`` (in place of failed rank ``replaces``, if any)."""
         join_id = allocate_join_id(self._job, int(slot.env["WORLD_SIZE"]))
         # RANK: the launch rank of the slot it restarts; its join id in a joining node's slot
-        env = {"RANK": str(join_id), **slot.env, JOIN_ENV: str(join_id)}
+        env = {"RANK": str(join_id), **slot.env, JOIN_ENV: str(join_id),
+               BEAT_DIR_ENV: str(self.beat_dir)}
         logs = [_append(slot.stdout), _append(slot.stderr)]
         proc = subprocess.Popen(list(slot.args), env=env, stdout=logs[0], stderr=logs[1],
                                 start_new_session=True)  # killable with its children (killpg)
@@ -178,7 +190,7 @@ class WorkerPool:
     def _kill_silent(self, now: float) -> None:
         """Kill and announce running workers whose heartbeat deadline has passed."""
         running = self._running()
-        beats = read_beats(self._job, [m.rank for m in running])
+        beats = read_beats(self.beat_dir, [m.rank for m in running])
         for member in running:
             late = overdue(beats, [member.rank], now=now, started_at=member.started_at,
                            startup_timeout_s=self._ft.startup_timeout_s)

@@ -49,6 +49,7 @@ from chameleon_megatron.resilience.recovery import (
     shard_assembly,
 )
 from chameleon_megatron.resilience.recovery.deciding import Decider, Standing
+from chameleon_megatron.resilience.recovery.declared import leave_declared_failed
 from chameleon_megatron.resilience.recovery.detector import (
     AbortWatcher,
     FailureDetector,
@@ -87,6 +88,7 @@ from chameleon_megatron.resilience.recovery.regroup import (
     wait_as_spare,
 )
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
+from chameleon_megatron.resilience.recovery.traffic_pulse import TrafficPulse
 from chameleon_megatron.resilience.recovery.transfer import migrate
 from chameleon_megatron.resilience.store.announce import (
     AbandonRecord,
@@ -160,6 +162,8 @@ class RecoveryController:
         """Interrupts and leaves this process's groups, for the watcher's thread too."""
         self.watcher = AbortWatcher(job, abort=self.teardown.interrupt)
         """Started by ``watch`` (a thread: whoever starts it stops it with ``close``)."""
+        self.traffic = TrafficPulse(detector.pulse, job.port)
+        """Beats while a slow link stretches a step (started and stopped with the watcher)."""
         self._step_start: tuple[int, dict[str, Any]] | None = None
         """(iteration, RNG state) at the start of the step in progress."""
         self._window_s = 0.0
@@ -180,6 +184,7 @@ class RecoveryController:
     def watch(self) -> RecoveryController:
         """Interrupt the step in progress as soon as a failure is announced (a thread)."""
         self.watcher.start()
+        self.traffic.start()
         return self
 
     def step_started(self, iteration: int) -> None:
@@ -227,6 +232,9 @@ class RecoveryController:
 
     def _handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         abandoned = time.time()
+        # From here every wait is bounded; store calls over a slow link may each take
+        # seconds and do not beat (2 s of delay: 13 s without a beat, killed as hung).
+        self._keepalive()
         timeouts = self.detector.timeouts
         # A dead peer's announcement follows its error within a monitor interval; a timeout
         # may be a slow peer nobody will announce.
@@ -279,7 +287,11 @@ class RecoveryController:
         """Recover into the next layout; a spare waits for a later generation (or the end)."""
         self._steady_peaks = memory_peak.take()
         while True:
-            if self._recover(trainer, held, timeouts, started):
+            try:
+                recovered = self._recover(trainer, held, timeouts, started)
+            except DeclaredFailed as exc:
+                leave_declared_failed(exc, self.me)
+            if recovered:
                 return "redo"
             if wait_as_spare(self.job, self.generation, active=self.active,
                              on_wait=self.detector.beat) == "done":
@@ -373,6 +385,7 @@ class RecoveryController:
             self.job.mark_done()
         if self.watcher.running:
             self.watcher.stop()
+        self.traffic.stop()
         self.decider.close()
 
     # ----------------------------------------------------------------------- attempts

@@ -152,11 +152,13 @@ PULSE_S = 1.0
 class FailureDetector:
     """The worker side of detection: beats, derives timeouts, reads announcements."""
 
-    def __init__(self, job: JobStore, rank: int, ft: ResilienceConfig) -> None:
+    def __init__(self, job: JobStore, rank: int, ft: ResilienceConfig,
+                 heartbeat: Heartbeat | None = None) -> None:
+        """``heartbeat``: where this rank beats (default: its agent's folder)."""
         self._job = job
         self._ft = ft
         self._rank = rank
-        self._heartbeat = Heartbeat(job, rank)
+        self._heartbeat = heartbeat or Heartbeat.from_env(rank)
         self._timer = StepTimer(ft.timing_steps)
         self.timeouts = derive_timeouts(None, ft)
         self._log_timeouts(None, None)
@@ -230,14 +232,14 @@ class FailureDetector:
         return found
 
     def wait_for_events(self, timeout_s: float, poll_s: float = 0.05) -> Events:
-        """After a communication error: wait (beating) until a failure or an abandoned step
-        is announced (empty after ``timeout_s``)."""
+        """After a communication error: wait (beating, a hold in force kept) until a failure
+        or an abandoned step is announced (empty after ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             events = Events(self.new_failures(), self.new_abandons())
             if events or time.monotonic() > deadline:
                 return events
-            self.beat()
+            self.pulse()
             time.sleep(poll_s)
 
 

@@ -1,19 +1,28 @@
-"""Per-rank heartbeats in the job store, and the rule that declares a silent rank failed.
+"""Per-rank heartbeats, written on the worker's host for its agent, and the rule that
+declares a silent rank failed.
 
 A worker beats at least once per step and says, with each beat, how long it may stay silent
 (its heartbeat timeout, derived from its measured step time). Its agent, on the same host,
 compares the beat with its own clock; a rank that has not beaten yet is allowed the start-up
 timeout from its start.
+
+The beats are files in a folder the agent gives its workers (``BEAT_DIR_ENV``), not job-store
+keys: only the worker's own agent reads them, and a beat that crosses the network makes a
+slow link look like a hung worker (2 s of delay on one host's link: each store call took
+seconds, the beats reached the store past the window, and the agent killed its own worker).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable, Mapping
 
-from chameleon_megatron.resilience.store.job_store import JobStore
+from chameleon_megatron.resilience.store.env import BEAT_DIR_ENV
 
 
 @dataclass(frozen=True)
@@ -29,24 +38,37 @@ class Beat:
 
 
 class Heartbeat:
-    """The worker side: ``beat`` once per step (and while waiting in recovery)."""
+    """The worker side: ``beat`` once per step (and while waiting in recovery); from any
+    thread (each writes its own temporary file, then renames it over the beat)."""
 
-    def __init__(self, job: JobStore, rank: int) -> None:
-        self._job = job
-        self._key = f"hb/{rank}"
+    def __init__(self, directory: Path, rank: int) -> None:
+        self._path = directory / str(rank)
+
+    @classmethod
+    def from_env(cls, rank: int) -> Heartbeat:
+        """The beats of a worker started by the chameleon-run agent."""
+        directory = os.environ.get(BEAT_DIR_ENV)
+        if directory is None:
+            raise RuntimeError(f"{BEAT_DIR_ENV} is not set: heartbeats need the chameleon-run "
+                               f"agent (python -m chameleon_megatron.run)")
+        return cls(Path(directory), rank)
 
     def beat(self, timeout_s: float, iteration: int | None = None) -> None:
         beat = Beat(time=time.time(), timeout_s=timeout_s, iteration=iteration)
-        self._job.store.set(self._key, json.dumps(asdict(beat)))
+        scratch = self._path.with_name(f".{self._path.name}.{threading.get_ident()}")
+        scratch.write_text(json.dumps(asdict(beat)))
+        os.replace(scratch, self._path)
 
 
-def read_beats(job: JobStore, ranks: Iterable[int]) -> dict[int, Beat]:
+def read_beats(directory: Path, ranks: Iterable[int]) -> dict[int, Beat]:
     """The last beat of each rank that has beaten at least once."""
     out = {}
     for rank in ranks:
-        key = f"hb/{rank}"
-        if job.store.check([key]):
-            out[rank] = Beat(**json.loads(job.store.get(key)))
+        try:
+            text = (directory / str(rank)).read_text()
+        except FileNotFoundError:
+            continue
+        out[rank] = Beat(**json.loads(text))
     return out
 
 

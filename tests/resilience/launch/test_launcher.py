@@ -49,7 +49,7 @@ def worker_main(argv: list[str]) -> int:
     from chameleon_megatron.resilience.store.job_store import JobStore
 
     job = JobStore.from_env()
-    Heartbeat(job, rank).beat(timeout_s=1.0 if how == "hang" else 30.0)
+    Heartbeat.from_env(rank).beat(timeout_s=1.0 if how == "hang" else 30.0)
     (args.out / f"started-{rank}").touch()
     time.sleep(0.5)
     if how == "exit":  # leaving a helper behind, as checkpoint writers' managers would

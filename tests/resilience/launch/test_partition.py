@@ -147,3 +147,42 @@ def test_a_short_blackout_of_a_link_is_not_a_failure(tmp_path: Path, reference: 
     assert not [r for r in recs if r["event"] == "recovery"], \
         (tmp_path / "log0").read_text()[-4000:]
     assert assert_losses_match(recs, reference[0]) == list(range(1, ITERS + 1))
+
+
+SLOW_WINDOWS = ["--chameleon-ft-min-pg-timeout-s", "3", "--chameleon-ft-pg-timeout-factor", "1"]
+"""Group timeout 3 s: recovery windows 12 s, then 24 s for the retry."""
+
+
+def test_a_host_too_slow_for_a_recovery_is_left_behind_and_stops(tmp_path: Path,
+                                                                 reference: tuple) -> None:
+    """Host 1's worker stalls 5 s in step 6 (past the 3 s group timeout: every rank abandons
+    the step), then 60 s inside that recovery, past the first window and the retry's. Host 0
+    declares it failed and trains on alone. When host 1's worker wakes it finds itself outside
+    the job: one line and status 75, no traceback, nothing written for the job; its agent,
+    with no worker left and not the store's host, stops its node with status 75 and one
+    line. Host 0's losses are the failure-free run's."""
+    flags = [*SLOW_WINDOWS, "--chameleon-inject-fault", "rank=1,iteration=6,phase=forward,kind=slow,seconds=5",
+             "--chameleon-inject-fault", "rank=1,iteration=6,phase=recovery,kind=slow,seconds=60"]
+    with hosts(2) as (h0, h1):
+        procs = [start_node(h, tmp_path, i, 2, h0, 29403, flags) for i, h in enumerate((h0, h1))]
+        try:
+            assert procs[0].wait(timeout=300) == 0, (tmp_path / "log0").read_text()[-6000:]
+            assert procs[1].wait(timeout=120) == CUT_OFF_EXIT, \
+                (tmp_path / "log1").read_text()[-6000:]
+        finally:
+            for p in procs:
+                stop(p)
+    log1 = (tmp_path / "log1").read_text()
+    assert "Traceback" not in log1, log1[-4000:]
+    (worker_line,) = [ln for ln in log1.splitlines()
+                      if "chameleon: error:" in ln and "rank 1 was declared failed" in ln]
+    assert worker_line.endswith("this worker stops and exits (75)"), worker_line
+    (agent_line,) = [ln for ln in log1.splitlines() if "error: cut off from the job" in ln]
+    assert "every worker of this node was declared failed" in agent_line, agent_line
+    assert log1.rstrip().endswith(agent_line), log1[-2000:]  # nothing after the decision
+    recs = records(tmp_path / "metrics.jsonl")
+    recoveries = [r for r in recs if r["event"] == "recovery"]
+    assert recoveries[-1]["failed_ranks"] == [1] and recoveries[-1]["layout_after"]["ranks"] == [0], \
+        recoveries
+    assert assert_losses_match(recs, reference[0])[-1] == ITERS
+    assert not (tmp_path / "dump" / "1.json").exists()  # host 1's worker never finished

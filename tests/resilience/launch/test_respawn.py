@@ -52,7 +52,7 @@ WORKER = textwrap.dedent("""
     me = int(os.environ["RANK"]) if join_id is None else join_id
     job = JobStore.from_env()
     how = fails.get(str(me))
-    Heartbeat(job, me).beat(timeout_s=1.0 if how == "hang" else 60.0)
+    Heartbeat.from_env(me).beat(timeout_s=1.0 if how == "hang" else 60.0)
     if how == "exit":
         sys.exit(3)
     if how == "hang":

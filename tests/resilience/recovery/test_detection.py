@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import datetime
 import json
-
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -72,14 +72,14 @@ def test_overdue_uses_each_ranks_own_timeout_and_the_start_up_grace() -> None:
     assert late == {0: 100.0, 2: 50.0}
 
 
-def test_heartbeats_round_trip_through_the_store() -> None:
-    j = job()
-    Heartbeat(j, 3).beat(timeout_s=7.5, iteration=12)
-    beats = read_beats(j, [2, 3])
+def test_heartbeats_round_trip_through_the_agents_folder(beat_dir: Path) -> None:
+    Heartbeat.from_env(3).beat(timeout_s=7.5, iteration=12)
+    beats = read_beats(beat_dir, [2, 3])
     assert list(beats) == [3] and (beats[3].timeout_s, beats[3].iteration) == (7.5, 12)
 
 
-def test_a_step_pulses_at_most_once_a_second_and_keeps_a_hold(monkeypatch) -> None:
+def test_a_step_pulses_at_most_once_a_second_and_keeps_a_hold(monkeypatch,
+                                                               beat_dir: Path) -> None:
     """Forward passes beat (a slowed step is alive), rate-limited; a pulse inside work under
     a hold (an evaluation before a checkpoint) keeps the hold's deadline."""
     import chameleon_megatron.resilience.recovery.detector as detector_module
@@ -91,24 +91,24 @@ def test_a_step_pulses_at_most_once_a_second_and_keeps_a_hold(monkeypatch) -> No
     detector.timeouts = derive_timeouts(1.0, detector._ft)  # heartbeat 2 x 5 s floor
 
     def last() -> float:
-        return read_beats(j, [0])[0].time
+        return read_beats(beat_dir, [0])[0].time
     detector.pulse()
     first = last()
     clock[0] += 0.5
     detector.pulse()
-    assert last() == first  # within a second: no store write
+    assert last() == first  # within a second: no beat written
     clock[0] += 0.6
     time.sleep(0.01)  # the beat's own (wall) time moves on
     detector.pulse()
-    assert last() > first and read_beats(j, [0])[0].timeout_s == 10.0
+    assert last() > first and read_beats(beat_dir, [0])[0].timeout_s == 10.0
     detector.hold(100.0)
     clock[0] += 30.0
     detector.pulse()
-    assert read_beats(j, [0])[0].timeout_s == pytest.approx(70.0)
+    assert read_beats(beat_dir, [0])[0].timeout_s == pytest.approx(70.0)
     detector.beat()  # a step's end: the hold is over
     clock[0] += 1.0
     detector.pulse()
-    assert read_beats(j, [0])[0].timeout_s == 10.0
+    assert read_beats(beat_dir, [0])[0].timeout_s == 10.0
 
 
 def test_each_rank_is_announced_once_in_one_order() -> None:

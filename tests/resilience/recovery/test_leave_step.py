@@ -15,10 +15,11 @@ from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import uniform_plan
 from chameleon_megatron.resilience.decision.layout import UniformLayout
 from chameleon_megatron.resilience.recovery.controller import RecoveryController
-from chameleon_megatron.resilience.recovery.detector import FailureDetector
+from chameleon_megatron.resilience.recovery.detector import FailureDetector, derive_timeouts
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.store.announce import FailureRecord, announce
+from chameleon_megatron.resilience.store.heartbeat import read_beats
 from chameleon_megatron.resilience.store.job_store import JobStore
 from recording_groups import RecordingGroups
 
@@ -86,3 +87,19 @@ def test_the_watcher_interrupts_through_the_controllers_teardown() -> None:
         controller.watcher.stop()
     assert [entry[0] for entry in rec.log] == ["abort-watcher"] * 3
     assert rec.calls() == LEFT[:3]
+
+
+def test_a_communication_error_is_handled_under_a_hold(beat_dir) -> None:
+    """Finding what caused the error reads the job store, and over a slow link each read may
+    take seconds without a beat: the rank is held for the recovery's allowance first, and the
+    wait keeps that hold (it beat with the step's 10 s and was killed as hung)."""
+    controller = _controller(RecordingGroups(NCCL_JOB))
+    controller.detector.timeouts = derive_timeouts(1.0, controller.ft)  # heartbeat 10 s
+    controller.detector.beat()  # the step's beat
+    announce(controller.job, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
+    allowed: list[float] = []
+    controller._leave_step = lambda *_: allowed.append(
+        read_beats(beat_dir, [0])[0].timeout_s) or "redo"
+    error = RuntimeError("Connection closed by peer")
+    assert controller.handle(error, SimpleNamespace(iteration=4, rank=0)) == "redo"
+    assert allowed == [pytest.approx(controller.ft.startup_timeout_s)]
