@@ -91,8 +91,10 @@ def check_training_args(args: argparse.Namespace) -> None:
 
 def worker_failure(exc: ChildFailedError) -> tuple[str, int]:
     """One line for the workers that failed (their own messages are above it) and the exit
-    code to end with: the first failed worker's."""
-    failures = sorted(exc.failures.items())
+    code to end with: the first failed worker's, one that exited by itself before those
+    ended by a signal (torchrun stops the others once one fails: on a loaded machine a
+    lower rank may still be running then, and is not the cause)."""
+    failures = sorted(exc.failures.items(), key=lambda f: ((f[1].exitcode or 0) <= 0, f[0]))
     rank, first = failures[0]
     others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     return (f"worker rank {rank} (local rank {first.local_rank}, pid {first.pid}) exited with "

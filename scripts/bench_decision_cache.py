@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -28,6 +30,7 @@ from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.precompute import Precomputer
 from chameleon_megatron.resilience.recovery.regroup import Membership
 from chameleon_megatron.resilience.recovery.run_state import Agreed
+from chameleon_megatron.resilience.store.heartbeat import Heartbeat
 from chameleon_megatron.resilience.store.job_store import JobStore
 
 ARGS = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -35,11 +38,12 @@ ARGS = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
             rampup_batch_size=None)
 
 
-def controller(layout: UniformLayout) -> tuple[RecoveryController, SimpleNamespace]:
+def controller(layout: UniformLayout, beats: Path) -> tuple[RecoveryController, SimpleNamespace]:
+    """``beats``: a folder for the detector's heartbeats (no agent reads them here)."""
     job = JobStore(dist.HashStore(), "bench")
     ft = ResilienceConfig(timing_steps=1)
     plan = uniform_plan(layout, list(range(layout.world_size)), 4, 16)
-    c = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+    c = RecoveryController(job=job, detector=FailureDetector(job, 0, ft, Heartbeat(beats, 0)),
                            injector=FaultInjector(0), ft=ft, me=0, plan=plan, backend="gloo")
     for _ in range(3):
         c.detector._timer.record(0.2)
@@ -76,14 +80,15 @@ def torch_work(n: int = 40) -> float:
     return time.perf_counter() - start
 
 
-def work_beside_a_build(layout: UniformLayout, rounds: int = 5) -> dict[str, float]:
+def work_beside_a_build(layout: UniformLayout, beats: Path,
+                        rounds: int = 5) -> dict[str, float]:
     """Median of the stand-in alone, beside a paced build (the default) and beside an
     unpaced one, interleaved round by round (the host's load drifts)."""
     times: dict[str, list[float]] = {"alone": [], "paced": [], "unpaced": []}
     for _ in range(rounds):
         times["alone"] += [torch_work() for _ in range(5)]
         for name, ratio in (("paced", 1.0), ("unpaced", 0.0)):
-            c, trainer = controller(layout)
+            c, trainer = controller(layout, beats)
             c.decider.precompute = Precomputer("decision-cache", yield_ratio=ratio)
             c.precompute_decisions(trainer)
             while c.decider.precompute.ready() is None:
@@ -96,10 +101,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-beats-") as beats:
+        run(args.repeat, Path(beats))
+
+
+def run(repeat: int, beats: Path) -> None:
     for layout in (UniformLayout(tp=1, pp=2, dp=4), UniformLayout(tp=2, pp=2, dp=2)):
         fresh, cached, builds = [], [], []
-        for _ in range(args.repeat):
-            c, trainer = controller(layout)
+        for _ in range(repeat):
+            c, trainer = controller(layout, beats)
             fresh += decide_all(c, trainer, layout.world_size)
             start = time.perf_counter()
             c.precompute_decisions(trainer)
@@ -116,13 +126,13 @@ def main() -> None:
               f"(max {max(t for t, _ in fresh) * 1e3:.1f}), cached median {k * 1e3:.1f} ms "
               f"(max {max(t for t, _ in cached) * 1e3:.1f}), ratio {f / k:.1f}x; "
               f"cache build (background) median {statistics.median(builds) * 1e3:.0f} ms")
-    c, trainer = controller(UniformLayout(tp=1, pp=2, dp=4))
+    c, trainer = controller(UniformLayout(tp=1, pp=2, dp=4), beats)
     c.precompute_decisions(trainer)
     while c.decider.precompute.ready() is None:
         time.sleep(0.001)
     print(f"step-boundary check with the cache ready: {boundary_check_s(c, trainer) * 1e6:.0f} us")
     c.close(finished=False)
-    work = work_beside_a_build(UniformLayout(tp=1, pp=2, dp=4))
+    work = work_beside_a_build(UniformLayout(tp=1, pp=2, dp=4), beats)
     print("torch work on the training thread (median): " + ", ".join(
         f"{k} {v * 1e3:.1f} ms ({v / work['alone']:.2f}x)" for k, v in work.items()))
 

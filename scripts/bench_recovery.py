@@ -70,7 +70,7 @@ def worker(out: Path, tp: int, pp: int, kind: str, pg_timeout: float, mib: float
     dist.barrier()
     if me == victim:
         if kind == "hang":
-            Heartbeat(job, me).beat(timeout_s=1.0)  # silent for 1 s: killed by its agent
+            Heartbeat.from_env(me).beat(timeout_s=1.0)  # silent for 1 s: killed by its agent
         (out / "failed_at").write_text(repr(time.time()))
         if kind == "exit":
             os._exit(3)

@@ -194,3 +194,17 @@ def test_readers_take_one_run_of_a_file(tmp_path):
     assert [r["loss"] for r in read_metrics(path, "iteration", run=1)] == [1.0]
     with pytest.raises(ValueError, match=r"no run 3 \(runs: \[1, 2\]\)"):
         read_metrics(path, run=3)
+
+
+def test_the_failed_worker_named_is_the_one_that_exited_not_one_the_launcher_stopped():
+    """torchrun stops the other workers once one fails; on a loaded machine a lower rank is
+    still running then and ends by SIGTERM: the line names the worker that exited itself."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from chameleon_megatron.run import worker_failure
+
+    failures = {0: ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file="<N/A>"),
+                1: ProcessFailure(local_rank=1, pid=11, exitcode=3, error_file="<N/A>")}
+    message, code = worker_failure(ChildFailedError("fail.py", failures))
+    assert message.startswith("worker rank 1 (local rank 1, pid 11) exited with code 3 "
+                              "(and 1 more)") and code == 3, message

@@ -22,8 +22,10 @@ FT = ["--chameleon-ft", "--chameleon-ft-timing-steps", "1",
 """Timeouts from the first measured step, with the default 5 s floor: group timeout 5 s,
 heartbeat 10 s, recovery window 20 s (a 2-core machine running 8 ranks stalls a rank for
 seconds now and then: a shorter heartbeat kills healthy ranks)."""
-SHORT_WINDOW = ["--chameleon-ft-min-pg-timeout-s", "3"]
-"""Group timeout 3 s, heartbeat 6 s, recovery window 12 s: for tests that outlast a window."""
+SHORT_WINDOW = ["--chameleon-ft-min-pg-timeout-s", "3", "--chameleon-ft-pg-timeout-factor", "1"]
+"""Group timeout 3 s, heartbeat 6 s, recovery window 12 s: for tests that outlast a window
+(the factor pinned: on a loaded machine 5 x the step time made the window 22 s, longer than
+the 16 s stall meant to outlast it)."""
 
 
 def faults(*specs: str) -> list[str]:

@@ -161,7 +161,8 @@ def test_a_host_too_slow_for_a_recovery_is_left_behind_and_stops(tmp_path: Path,
     the job: one line and status 75, no traceback, nothing written for the job; its agent,
     with no worker left and not the store's host, stops its node with status 75 and one
     line. Host 0's losses are the failure-free run's."""
-    flags = [*SLOW_WINDOWS, "--chameleon-inject-fault", "rank=1,iteration=6,phase=forward,kind=slow,seconds=5",
+    flags = [*SLOW_WINDOWS,
+             "--chameleon-inject-fault", "rank=1,iteration=6,phase=forward,kind=slow,seconds=5",
              "--chameleon-inject-fault", "rank=1,iteration=6,phase=recovery,kind=slow,seconds=60"]
     with hosts(2) as (h0, h1):
         procs = [start_node(h, tmp_path, i, 2, h0, 29403, flags) for i, h in enumerate((h0, h1))]
@@ -182,7 +183,7 @@ def test_a_host_too_slow_for_a_recovery_is_left_behind_and_stops(tmp_path: Path,
     assert log1.rstrip().endswith(agent_line), log1[-2000:]  # nothing after the decision
     recs = records(tmp_path / "metrics.jsonl")
     recoveries = [r for r in recs if r["event"] == "recovery"]
-    assert recoveries[-1]["failed_ranks"] == [1] and recoveries[-1]["layout_after"]["ranks"] == [0], \
-        recoveries
+    last = recoveries[-1]
+    assert last["failed_ranks"] == [1] and last["layout_after"]["ranks"] == [0], recoveries
     assert assert_losses_match(recs, reference[0])[-1] == ITERS
     assert not (tmp_path / "dump" / "1.json").exists()  # host 1's worker never finished
