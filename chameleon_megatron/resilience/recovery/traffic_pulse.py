@@ -3,12 +3,12 @@ stretches past the heartbeat window is not taken for a hang.
 
 Each wait inside a gloo collective is bounded by the group timeout, but a collective made of
 many waits is not: with 2 s of delay on one host's link every wait ends in time while a step
-lasts about 70 s, seven heartbeat windows with no forward pass to beat from, and each agent
-killed its own worker as hung. Bytes acknowledged or received on the process's connections
-(the job store's excepted, or the beats would feed themselves) are proof that the
-communication in progress advances; a hung training thread issues none, so its beats stop
-within one exchange of the hang and the agent declares it after the heartbeat window as
-before. NCCL is covered by its own watchdog (a whole collective is bounded by the group
+takes 8-12 s against a 10 s heartbeat window, most of it in the gradient all-reduce, with no
+forward pass to beat from. Bytes acknowledged or received on the process's connections (the
+job store's excepted: its watcher polls it whether or not training advances) are proof that
+the communication in progress advances; a hung training thread issues none, so its beats
+stop within one exchange of the hang and the agent declares it after the heartbeat window
+as before. NCCL is covered by its own watchdog (a whole collective is bounded by the group
 timeout), so only its socket transport shows up here.
 """
 
@@ -62,6 +62,6 @@ class TrafficPulse:
                 if advanced(last, now):
                     self._pulse()
                 last = now
-            except Exception as exc:  # noqa: BLE001 - a lost store ends the beats, not the worker
+            except Exception as exc:  # noqa: BLE001 - a failed beat ends the beats, not the worker
                 logger.warning("traffic pulse: %s: %s (stopping)", type(exc).__name__, exc)
                 return
