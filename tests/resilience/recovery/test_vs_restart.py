@@ -1,7 +1,12 @@
 """The checkpoint-restart baseline of ``scripts/bench_vs_restart.py`` really restarts: run
 small through the script's own functions, a worker killed in step 6 makes torchrun restart
 every worker, which load the checkpoint of step 3 (every 3 steps), redo steps 4 and 5 and
-finish all 7."""
+finish all 7.
+
+The kill is fired from outside once step 5's record appears; it must land before step 6
+completes. With the tiny model's 0.1 s steps a loaded machine lost that race (steps 1-6, then
+4-7), so its sequences are 512 tokens long: ~0.5 s steps quiet, far above a kill's latency,
+and a checkpoint as small as before."""
 
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from job_watch import Kill  # noqa: E402
 @pytest.mark.timeout(240)
 def test_restart_baseline_loads_the_checkpoint_and_redoes_the_steps_after_it(
         tmp_path: Path) -> None:
-    job = Job(model=tuple(TINY), nproc=2, iters=7, timeout_s=180)
+    model = list(TINY)
+    model[model.index("--seq-length") + 1] = "512"
+    job = Job(model=tuple(model), nproc=2, iters=7, timeout_s=180)
     kills = (Kill(step=6, rank=1),)
     trace = restart_baseline(job, tmp_path, kills, interval=3)
     done = [it for _, it in trace.iterations()]
