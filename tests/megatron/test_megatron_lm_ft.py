@@ -63,6 +63,7 @@ def launch(checkout, out: Path, nproc: int, *extra: str, ft: bool = True,
         if run.poll() is None:
             os.killpg(run.pid, 9)
             run.wait()
+    out.with_suffix(".log").write_text(log)  # kept under the test's tmp_path for a failure
     assert run.returncode == 0, log[-8000:]
     return [json.loads(line) for line in out.read_text().splitlines()], log
 

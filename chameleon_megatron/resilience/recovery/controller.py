@@ -404,16 +404,12 @@ class RecoveryController:
             self.watcher.acknowledge(retry_key(self.generation))
             before = failure_count(self.job)
             try:
-                self._say_wait("join", timeouts.rendezvous_s)
-                membership = agree_membership(self.job, self.generation, self.me, self.members,
-                                              timeout_s=timeouts.rendezvous_s,
-                                              on_wait=self._keepalive)
+                membership = self._join(timeouts)
                 if clock is None:
                     clock = PhaseClock(first_failed_at(
                         self.job, membership.failed - self.known_failed, default=abandoned))
                     clock.mark("detect", abandoned)
                 self.members = membership.members
-                self._attempt_failures = failure_count(self.job)
                 return self._attempt(trainer, held, timeouts, membership, clock)
             except (DeclaredFailed, RecoveryFailed, dist.DistNetworkError):
                 raise
@@ -436,6 +432,16 @@ class RecoveryController:
                 logger.warning({"event": "recovery_retry", "rank": self.me,
                                 "failed_generation": self.generation, "error": str(exc),
                                 "next_window_s": timeouts.rendezvous_s})
+
+    def _join(self, timeouts: Timeouts) -> Membership:
+        """This generation's membership; any failure announced after it (its list left that
+        one in) ends the attempt."""
+        self._say_wait("join", timeouts.rendezvous_s)
+        membership = agree_membership(self.job, self.generation, self.me, self.members,
+                                      timeout_s=timeouts.rendezvous_s, on_wait=self._keepalive)
+        self._attempt_failures = len(membership.failed)  # failures are counted once each
+        self.watcher.covered(self._attempt_failures)
+        return membership
 
     def _free_layout(self, trainer: TrainerHandle) -> None:
         """Let go of the layout this rank trained (the held state's tensors stay)."""

@@ -268,7 +268,8 @@ class AbortWatcher:
     ``Teardown.leave``.
 
     The main thread ``acknowledge``s the events it handles before it builds new groups, so
-    that only later events (a failure during a recovery) interrupt those. During a recovery
+    that only later events (a failure during a recovery) interrupt those; a suspicion raised
+    in the regroup itself is ``covered`` by the membership it produced. During a recovery
     attempt it also watches that attempt's retry key: a member whose attempt failed sets it,
     and the members still inside the attempt leave it; members already in a later attempt
     watch another key and are not disturbed."""
@@ -277,7 +278,8 @@ class AbortWatcher:
         self._job = job
         self._abort = abort
         self._period = period_s
-        self._seen = 0
+        self._seen = (0, 0)
+        """(failures, abandoned steps) handled by the main thread."""
         self._retry_key: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -298,6 +300,14 @@ class AbortWatcher:
             self._seen = self._events()
             self._retry_key = retry_key
 
+    def covered(self, failures: int) -> None:
+        """The first ``failures`` announced failures are handled too: the membership just
+        agreed left them out (a rank suspected in the regroup among them). Noticed late, on a
+        loaded machine, such a suspicion interrupted the groups built for that very
+        membership, and a live member missed the retry's rendezvous."""
+        with self._lock:
+            self._seen = (max(self._seen[0], failures), self._seen[1])
+
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
@@ -317,17 +327,18 @@ class AbortWatcher:
                 # e.g. the main thread destroyed a group meanwhile: the next tick tries again.
                 logger.warning("abort watcher: %s: %s (retrying)", type(exc).__name__, exc)
 
-    def _events(self) -> int:
-        return failure_count(self._job) + abandon_count(self._job)
+    def _events(self) -> tuple[int, int]:
+        return failure_count(self._job), abandon_count(self._job)
 
     def _tick(self) -> None:
         with self._lock:
-            count = self._events()
+            events = self._events()
+            new = any(now > seen for now, seen in zip(events, self._seen))
             retry = self._retry_key is not None and self._job.store.check([self._retry_key])
-            if count <= self._seen and not retry:
+            if not new and not retry:
                 return
             n = self._abort()
-            self._seen = count
+            self._seen = events
             self._retry_key = None
             self.aborted_at = time.time()
         # Every rank does this; the job's record of the failure comes from the controller.

@@ -19,7 +19,7 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.resilience.store.announce import FailureRecord, announce
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.controller import RecoveryController, RecoveryFailed
-from chameleon_megatron.resilience.recovery.detector import FailureDetector, StepTimer
+from chameleon_megatron.resilience.recovery.detector import FailureDetector, StepTimer, Timeouts
 from chameleon_megatron.resilience.recovery.faults import FaultInjector, InjectedFault
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage, UniformLayout
@@ -392,3 +392,28 @@ def test_a_joiner_knows_the_failures_before_its_invitation() -> None:
         (controller.known_failed, timeouts.rendezvous_s))
     controller.join(SimpleNamespace())
     assert served == [(frozenset({2, 7}), 20.0)]
+
+
+def test_a_rank_suspected_in_the_regroup_leaves_the_attempt_uninterrupted() -> None:
+    """Rank 0 suspects rank 2 while they regroup: the membership leaves it out, and neither
+    the attempt's own check nor the abort watcher (ticking late, on a loaded machine) takes
+    that suspicion for a failure during the attempt. A failure after it does end the
+    attempt."""
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig()
+    interrupted: list[int] = []
+    teardown = SimpleNamespace(interrupt=lambda: interrupted.append(1) or 1)
+    controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+                                    injector=FaultInjector(0), ft=ft, me=0, plan=DP2_PP2,
+                                    backend="gloo", teardown=teardown)
+    controller.members = (0, 1, 2)
+    controller.generation = 1
+    controller.watcher.acknowledge("gen/1/retry")
+    job.scoped("gen/1").set("join/1", "1")
+    membership = controller._join(Timeouts(pg_s=0.1, heartbeat_s=0.2, rendezvous_s=0.1))
+    assert membership.members == (0, 1)
+    controller.watcher._tick()
+    assert interrupted == [] and not controller._abandoned()
+    announce(job, FailureRecord(rank=1, time=time.time(), reason="exit", exitcode=1))
+    controller.watcher._tick()
+    assert interrupted == [1] and controller._abandoned()

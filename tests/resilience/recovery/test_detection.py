@@ -281,6 +281,30 @@ def test_events_the_main_thread_acknowledged_do_not_interrupt_its_new_groups() -
     assert calls == [1]
 
 
+def test_failures_the_membership_left_out_do_not_interrupt_its_groups() -> None:
+    """Rank 2 is suspected in the regroup (after the main thread acknowledged the events):
+    the membership it produced leaves it out, so the watcher, noticing it only now, must
+    not interrupt that membership's groups. A failure after the membership still does, and
+    so does an abandoned step."""
+    j = job()
+    calls: list[int] = []
+    watcher = AbortWatcher(j, abort=lambda: calls.append(1) or 1)
+    watcher.acknowledge("gen/1/retry")
+    j.scoped("gen/1").set("join/1", "1")
+    membership = agree_membership(j, 1, 0, [0, 1, 2], timeout_s=0.1)
+    assert membership.members == (0, 1) and membership.failed == {2}
+    watcher.covered(len(membership.failed))
+    watcher._tick()
+    assert calls == []
+    announce(j, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
+    watcher._tick()
+    assert calls == [1]
+    watcher.covered(1)  # an older count never hides a newer failure
+    announce_abandon(j, AbandonRecord(rank=0, iteration=3, reason="oom", time=0.0))
+    watcher._tick()
+    assert calls == [1, 1]
+
+
 def test_a_failed_attempt_interrupts_its_own_generation_only() -> None:
     """A member whose recovery attempt under generation 4 failed sets that generation's
     retry key: members still inside generation 4 leave it; members already in generation 5
