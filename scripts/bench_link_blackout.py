@@ -31,11 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "resilience" / "launch"))
-from multinode_support import iterations, start_node, wait_for  # noqa: E402
+from multinode_support import running, wait_for_step  # noqa: E402
 from link_impair import impaired  # noqa: E402
 from netns_support import hosts  # noqa: E402
 from e2e_support import records  # noqa: E402
-from rt_support import stop  # noqa: E402
 
 ITERS = 12
 
@@ -50,9 +49,8 @@ def one(window_s: float, port: int, *, blackout_s: float = 0.0, delay_ms: float 
         out.mkdir(parents=True, exist_ok=True)
         h0, h1 = stack.enter_context(hosts(2))
         flags = ["--chameleon-ft-node-timeout-s", str(window_s)]
-        procs = [start_node(h, out, i, 2, h0, port, flags, ITERS) for i, h in enumerate((h0, h1))]
-        try:
-            wait_for(lambda: len(iterations(out)) >= 4, 200, procs)
+        with running(out, (h0, h1), port, flags, iters=ITERS) as procs:
+            wait_for_step(out, 4, procs)
             if blackout_s:
                 h1.cut()
                 time.sleep(blackout_s)
@@ -61,9 +59,6 @@ def one(window_s: float, port: int, *, blackout_s: float = 0.0, delay_ms: float 
             else:
                 with impaired(h1, [h0], delay_ms=delay_ms, loss=loss):
                     codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for p in procs:
-                stop(p)
         recs = records(out / "metrics.jsonl")
         recoveries = [r for r in recs if r["event"] == "recovery"]
         steps = [(r["iteration"], r["step_time_s"]) for r in recs if r["event"] == "iteration"]

@@ -4,17 +4,18 @@ the recovery tests' worker as the entry (shared by the partition tests and
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from e2e_support import FT, job_args, records  # noqa: E402
 from netns_support import Host  # noqa: E402
-from rt_support import REPO, worker_env  # noqa: E402
+from rt_support import REPO, stop, worker_env  # noqa: E402
 
 ITERS = 16
 WINDOW_S = 10.0
@@ -40,6 +41,25 @@ def start_node(host: Host, tmp: Path, node_rank: int, nnodes: int, master: Host,
     argv = ["bash", str(REPO / "scripts" / "launch_multinode.sh"), "1", str(preset), *trainer]
     return subprocess.Popen(host.command(argv), cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextlib.contextmanager
+def running(tmp: Path, on: Sequence[Host], port: int, flags: Sequence[str], *,
+            iters: int = ITERS) -> Iterator[list[subprocess.Popen]]:
+    """One node per host of ``on`` (node ranks in that order, the first host the rendezvous
+    master), each ended with ``stop`` on exit, and so is any the caller appends."""
+    procs = [start_node(h, tmp, i, len(on), on[0], port, list(flags), iters)
+             for i, h in enumerate(on)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            stop(p)
+
+
+def wait_for_step(tmp: Path, step: int, procs: list[subprocess.Popen]) -> None:
+    """Until the job has recorded ``step`` steps (every launcher still running)."""
+    wait_for(lambda: len(iterations(tmp)) >= step, 200, procs)
 
 
 def wait_for(done: Callable[[], bool], timeout_s: float,

@@ -19,9 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from e2e_support import assert_losses_match, faults, records, run_reference  # noqa: E402
-from multinode_support import BATCH, start_node, wait_for  # noqa: E402
+from multinode_support import BATCH, running, start_node, wait_for  # noqa: E402
 from netns_support import hosts  # noqa: E402
-from rt_support import stop  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.serial, pytest.mark.timeout(420)]
 
@@ -41,18 +40,13 @@ def test_a_node_joins_the_running_job_over_the_network(tmp_path: Path) -> None:
     ref_losses, _ = run_reference(tmp_path / "reference", ITERS, flags=tuple(BATCH))
     flags = [*faults("rank=1,iteration=3,phase=forward,kind=exit"),
              "--chameleon-ft-mtbf-prior-s", "1e9"]
-    with hosts(3) as (h0, h1, h2):
-        procs = [start_node(h, tmp_path, i, 2, h0, 29403, flags, ITERS)
-                 for i, h in enumerate((h0, h1))]
-        try:
-            wait_for(lambda: bool(_recoveries(tmp_path)), 200, procs[:1])
-            procs.append(start_node(h2, tmp_path, 2, 2, h0, 29403,
-                                    [*flags, "--chameleon-ft-join"], ITERS))
-            assert procs[0].wait(timeout=300) == 0, (tmp_path / "log0").read_text()[-6000:]
-            assert procs[2].wait(timeout=60) == 0, (tmp_path / "log2").read_text()[-6000:]
-        finally:
-            for p in procs:
-                stop(p)
+    with hosts(3) as (h0, h1, h2), \
+            running(tmp_path, (h0, h1), 29403, flags, iters=ITERS) as procs:
+        wait_for(lambda: bool(_recoveries(tmp_path)), 200, procs[:1])
+        procs.append(start_node(h2, tmp_path, 2, 2, h0, 29403, [*flags, "--chameleon-ft-join"],
+                                ITERS))
+        assert procs[0].wait(timeout=300) == 0, (tmp_path / "log0").read_text()[-6000:]
+        assert procs[2].wait(timeout=60) == 0, (tmp_path / "log2").read_text()[-6000:]
     recs = records(tmp_path / "metrics.jsonl")
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1))
     failure, join = [r for r in recs if r["event"] == "recovery"]

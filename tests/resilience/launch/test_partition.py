@@ -30,9 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from e2e_support import (  # noqa: E402
     assert_losses_match, assert_same_state, combine, records, run_reference,
 )
-from multinode_support import BATCH, ITERS, WINDOW_S, iterations, start_node, wait_for  # noqa: E402
+from multinode_support import BATCH, ITERS, WINDOW_S, running, wait_for, wait_for_step  # noqa: E402
 from netns_support import hosts  # noqa: E402
-from rt_support import stop  # noqa: E402
 
 from chameleon_megatron.resilience.launch.quorum import CUT_OFF_EXIT
 
@@ -62,20 +61,15 @@ def reference(tmp_path: Path) -> tuple[dict[int, float], dict]:
 
 def test_a_host_cut_off_stops_and_the_store_side_trains_on(tmp_path: Path,
                                                           reference: tuple) -> None:
-    with hosts(2) as (h0, h1):
-        procs = [start_node(h, tmp_path, i, 2, h0, 29400, []) for i, h in enumerate((h0, h1))]
-        try:
-            wait_for(lambda: len(iterations(tmp_path)) >= 4, 200, procs)
-            h1.cut()
-            cut_at = time.monotonic()
-            took = _cut_off_exit(procs[1], cut_at, tmp_path / "log1")
-            # the node window, plus one round of the monitor and the stop
-            assert took <= WINDOW_S + 10, took
-            h1.restore()  # the link is back: host 1 has nothing left to rejoin with
-            assert procs[0].wait(timeout=240) == 0, (tmp_path / "log0").read_text()[-6000:]
-        finally:
-            for p in procs:
-                stop(p)
+    with hosts(2) as (h0, h1), running(tmp_path, (h0, h1), 29400, []) as procs:
+        wait_for_step(tmp_path, 4, procs)
+        h1.cut()
+        cut_at = time.monotonic()
+        took = _cut_off_exit(procs[1], cut_at, tmp_path / "log1")
+        # the node window, plus one round of the monitor and the stop
+        assert took <= WINDOW_S + 10, took
+        h1.restore()  # the link is back: host 1 has nothing left to rejoin with
+        assert procs[0].wait(timeout=240) == 0, (tmp_path / "log0").read_text()[-6000:]
     recs = records(tmp_path / "metrics.jsonl")
     (done,) = [r for r in recs if r["event"] == "recovery"]
     assert done["failed_ranks"] == [1] and done["fallback"] is None, done
@@ -89,24 +83,17 @@ def test_the_store_host_cut_off_stops_and_the_majority_resumes(tmp_path: Path,
     ckpt = tmp_path / "ckpt"
     flags = ["--save", str(ckpt), "--save-interval", "2"]
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    with hosts(3) as (h0, h1, h2):
-        procs = [start_node(h, tmp_path, i, 3, h0, 29401, flags) for i, h in enumerate((h0, h1, h2))]
-        try:
-            wait_for(lambda: tracker.exists() and int(tracker.read_text() or 0) >= 4, 200,
-                      procs)
-            h0.cut()
-            cut_at = time.monotonic()
-            time.sleep(1.0)  # a record of a step that had finished before the cut
-            before = len(records(tmp_path / "metrics.jsonl"))
-            took = _cut_off_exit(procs[0], cut_at, tmp_path / "log0")
-            assert took <= WINDOW_S + 10, took
-            h0.restore()  # the link is back while the majority trains: nothing of host 0 left
-            for i in (1, 2):
-                assert procs[i].wait(timeout=300) == 0, \
-                    (tmp_path / f"log{i}").read_text()[-6000:]
-        finally:
-            for p in procs:
-                stop(p)
+    with hosts(3) as (h0, h1, h2), running(tmp_path, (h0, h1, h2), 29401, flags) as procs:
+        wait_for(lambda: tracker.exists() and int(tracker.read_text() or 0) >= 4, 200, procs)
+        h0.cut()
+        cut_at = time.monotonic()
+        time.sleep(1.0)  # a record of a step that had finished before the cut
+        before = len(records(tmp_path / "metrics.jsonl"))
+        took = _cut_off_exit(procs[0], cut_at, tmp_path / "log0")
+        assert took <= WINDOW_S + 10, took
+        h0.restore()  # the link is back while the majority trains: nothing of host 0 left
+        for i in (1, 2):
+            assert procs[i].wait(timeout=300) == 0, (tmp_path / f"log{i}").read_text()[-6000:]
     recs = records(tmp_path / "metrics.jsonl")
     # host 0 (rank 0, the metrics writer until the cut) wrote nothing after it: the next
     # record is the resumed job's
@@ -131,18 +118,13 @@ def test_a_short_blackout_of_a_link_is_not_a_failure(tmp_path: Path, reference: 
     retransmits once it is back, inside the group timeout (5 s here), so nothing is declared
     failed and no step is redone; both hosts train to the end with the failure-free losses.
     (The thresholds, measured: docs/resilience.md, scripts/bench_link_blackout.py.)"""
-    with hosts(2) as (h0, h1):
-        procs = [start_node(h, tmp_path, i, 2, h0, 29402, []) for i, h in enumerate((h0, h1))]
-        try:
-            wait_for(lambda: len(iterations(tmp_path)) >= 4, 200, procs)
-            h1.cut()
-            time.sleep(BLACKOUT_S)
-            h1.restore()
-            for i, p in enumerate(procs):
-                assert p.wait(timeout=240) == 0, (tmp_path / f"log{i}").read_text()[-6000:]
-        finally:
-            for p in procs:
-                stop(p)
+    with hosts(2) as (h0, h1), running(tmp_path, (h0, h1), 29402, []) as procs:
+        wait_for_step(tmp_path, 4, procs)
+        h1.cut()
+        time.sleep(BLACKOUT_S)
+        h1.restore()
+        for i, p in enumerate(procs):
+            assert p.wait(timeout=240) == 0, (tmp_path / f"log{i}").read_text()[-6000:]
     recs = records(tmp_path / "metrics.jsonl")
     assert not [r for r in recs if r["event"] == "recovery"], \
         (tmp_path / "log0").read_text()[-4000:]
@@ -164,15 +146,9 @@ def test_a_host_too_slow_for_a_recovery_is_left_behind_and_stops(tmp_path: Path,
     flags = [*SLOW_WINDOWS,
              "--chameleon-inject-fault", "rank=1,iteration=6,phase=forward,kind=slow,seconds=5",
              "--chameleon-inject-fault", "rank=1,iteration=6,phase=recovery,kind=slow,seconds=60"]
-    with hosts(2) as (h0, h1):
-        procs = [start_node(h, tmp_path, i, 2, h0, 29403, flags) for i, h in enumerate((h0, h1))]
-        try:
-            assert procs[0].wait(timeout=300) == 0, (tmp_path / "log0").read_text()[-6000:]
-            assert procs[1].wait(timeout=120) == CUT_OFF_EXIT, \
-                (tmp_path / "log1").read_text()[-6000:]
-        finally:
-            for p in procs:
-                stop(p)
+    with hosts(2) as (h0, h1), running(tmp_path, (h0, h1), 29403, flags) as procs:
+        assert procs[0].wait(timeout=300) == 0, (tmp_path / "log0").read_text()[-6000:]
+        assert procs[1].wait(timeout=120) == CUT_OFF_EXIT, (tmp_path / "log1").read_text()[-6000:]
     log1 = (tmp_path / "log1").read_text()
     assert "Traceback" not in log1, log1[-4000:]
     (worker_line,) = [ln for ln in log1.splitlines()

@@ -32,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from e2e_support import assert_losses_match, records, run_reference  # noqa: E402
 from link_impair import impaired, needs  # noqa: E402
-from multinode_support import BATCH, ITERS, iterations, start_node, wait_for  # noqa: E402
+from multinode_support import BATCH, ITERS, running, wait_for_step  # noqa: E402
 from netns_support import hosts  # noqa: E402
-from rt_support import stop  # noqa: E402
 
 WHY_NOT = needs()
 pytestmark = [pytest.mark.multiproc, pytest.mark.serial, pytest.mark.timeout(420),
@@ -60,21 +59,16 @@ def _run(tmp: Path, port: int, *, hold_s: float | None, flags: tuple[str, ...] =
          **impairment: float) -> tuple[list[dict], dict[str, int]]:
     """The job with host 1's link impaired from step 4 for ``hold_s`` (None: to the end);
     its records and what the delayer held."""
-    with hosts(2) as (h0, h1):
-        procs = [start_node(h, tmp, i, 2, h0, port, list(flags)) for i, h in enumerate((h0, h1))]
-        try:
-            wait_for(lambda: len(iterations(tmp)) >= 4, 200, procs)
-            with impaired(h1, [h0], **impairment) as seen:
-                if hold_s is None:
-                    for p in procs:
-                        p.wait(timeout=300)
-                else:
-                    time.sleep(hold_s)
-            codes = [p.wait(timeout=300) for p in procs]
-            assert codes == [0, 0], [(tmp / f"log{i}").read_text()[-4000:] for i in (0, 1)]
-        finally:
-            for p in procs:
-                stop(p)
+    with hosts(2) as (h0, h1), running(tmp, (h0, h1), port, flags) as procs:
+        wait_for_step(tmp, 4, procs)
+        with impaired(h1, [h0], **impairment) as seen:
+            if hold_s is None:
+                for p in procs:
+                    p.wait(timeout=300)
+            else:
+                time.sleep(hold_s)
+        codes = [p.wait(timeout=300) for p in procs]
+        assert codes == [0, 0], [(tmp / f"log{i}").read_text()[-4000:] for i in (0, 1)]
     return records(tmp / "metrics.jsonl"), seen
 
 
