@@ -5,7 +5,8 @@ over the data-parallel ranks: a rank owns one contiguous range of the flattened 
 some parameters (``_get_model_param_range_map``); the model parameters stay whole on every
 rank (gathered after each step). ``owned`` lists this rank's pieces; ``ShardSink`` is a new
 distributed optimizer as the restorer's executor sees it: whole tensors to receive (units
-move whole), of which ``commit`` keeps this rank's ranges.
+move whole), of which ``settle`` (one unit, as it lands) and ``commit`` keep this rank's
+ranges.
 """
 
 from __future__ import annotations
@@ -89,13 +90,16 @@ def owned(model: list[torch.nn.Module], optimizer: Any) -> list[Owned]:
 class ShardSink:
     """A new model with a distributed optimizer, as a ``StateView`` to fill: the model
     parameters themselves, whole staging tensors for their main copies (bf16) and optimizer
-    state; ``commit`` copies this rank's pieces of them into the optimizer."""
+    state; ``settle`` keeps this rank's pieces of one unit as soon as it has arrived (its
+    staging goes), ``commit`` those of what is left, and the step counts."""
 
     def __init__(self, model: list[torch.nn.Module], optimizer: Any) -> None:
         self._units = unit_parameters(model)
         self._owned = owned(model, optimizer)
         self._keys = state_keys(optimizer)
         self._staged: dict[tuple[StateUnit, str], torch.Tensor] = {}
+        self._settled: set[tuple[StateUnit, StateKind]] = set()
+        self._steps: list[tuple[Slot, torch.Tensor]] = []
 
     def _stage(self, unit: StateUnit, name: str, like: torch.Tensor,
                scalar: bool = False) -> torch.Tensor:
@@ -103,50 +107,80 @@ class ShardSink:
         return self._staged.setdefault((unit, name), torch.zeros(shape, dtype=torch.float32,
                                                                  device=like.device))
 
+    def _names(self, kind: StateKind, name: str, param: torch.Tensor) -> list[str]:
+        """The staged tensors of one parameter for ``kind``."""
+        if kind == "params":
+            return [f"{name}/main"] if param.dtype != torch.float32 else []
+        return [f"{name}/{key}" for key in self._keys]
+
+    def specs(self, unit: StateUnit, kind: StateKind) -> dict[str, tuple[list[int], str]]:
+        """Name -> (shape, dtype) of what ``tensors(unit, kind)`` returns, staging nothing."""
+        out: dict[str, tuple[list[int], str]] = {}
+        for name, param in self._units.get(unit, {}).items():
+            if kind == "params":
+                out[name] = (list(param.shape), str(param.dtype))
+            for staged in self._names(kind, name, param):
+                scalar = staged.endswith("/step")
+                out[staged] = ([] if scalar else list(param.shape), str(torch.float32))
+        return out
+
     def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, param in self._units.get(unit, {}).items():
             if kind == "params":
                 out[name] = param.detach()
-                if param.dtype != torch.float32:
-                    out[f"{name}/main"] = self._stage(unit, f"{name}/main", param)
-            else:
-                for key in self._keys:
-                    out[f"{name}/{key}"] = self._stage(unit, f"{name}/{key}", param,
-                                                       scalar=key == "step")
+            for staged in self._names(kind, name, param):
+                out[staged] = self._stage(unit, staged, param, scalar=staged.endswith("/step"))
         return out
 
     def adopt(self, unit: StateUnit, kind: StateKind, source: dict[str, torch.Tensor]) -> None:
         """Stage ``source``'s tensors of ``unit`` (old state, same names) without a copy where
-        they fit: staging is only read, by ``commit``."""
+        they fit: staging is only read, by ``settle`` and ``commit``."""
         for name, param in self._units.get(unit, {}).items():
-            names = ([f"{name}/main"] if param.dtype != torch.float32 else []) \
-                if kind == "params" else [f"{name}/{key}" for key in self._keys]
-            for staged in names:
+            for staged in self._names(kind, name, param):
                 t = source.get(staged)
                 shape = () if staged.endswith("/step") else param.shape
                 if t is not None and t.shape == shape and t.dtype == torch.float32 \
                         and t.device == param.device:
                     self._staged.setdefault((unit, staged), t)
 
-    @torch.no_grad()
+    def settle(self, unit: StateUnit, kind: StateKind) -> None:
+        """``unit``'s ``kind`` has arrived whole: keep this rank's pieces of it, let the
+        staging go (a migration settles each unit as it lands, so that at most the units in
+        flight are staged whole)."""
+        self._keep([own for own in self._owned if own.piece.unit == unit], kind)
+        self._settled.add((unit, kind))
+        for name, param in self._units.get(unit, {}).items():
+            for staged in self._names(kind, name, param):
+                if not staged.endswith("/step"):  # (a step is kept for set_steps)
+                    self._staged.pop((unit, staged), None)
+
     def commit(self) -> None:
-        """Keep this rank's pieces of what was received (every tensor must have been)."""
-        steps = []
-        for own in self._owned:
+        """Keep this rank's pieces of what arrived and is not settled (every tensor must
+        have arrived), then set the step counts."""
+        for kind in ("params", "optimizer"):
+            self._keep([own for own in self._owned
+                        if (own.piece.unit, kind) not in self._settled], kind)
+        set_steps(self._steps)
+        self._staged.clear()
+        self._steps = []
+
+    @torch.no_grad()
+    def _keep(self, owns: list[Owned], kind: StateKind) -> None:
+        for own in owns:
             p = own.piece
-            main = self._staged.get((p.unit, f"{p.name}/main"))
-            if main is not None:
-                own.main.copy_(main.view(-1)[p.start:p.end])
+            if kind == "params":
+                main = self._staged.get((p.unit, f"{p.name}/main"))
+                if main is not None:
+                    own.main.copy_(main.view(-1)[p.start:p.end])
+                continue
             values = {}
             for key in self._keys:
                 staged = self._staged[(p.unit, f"{p.name}/{key}")]
                 values[key] = staged if key == "step" else staged.view(-1)[p.start:p.end]
             own.slot.write(values)
             if "step" in values:
-                steps.append((own.slot, values["step"]))
-        set_steps(steps)
-        self._staged.clear()
+                self._steps.append((own.slot, values["step"]))
 
 
 def sink_view(model: list[torch.nn.Module], optimizer: Any) -> ModelState | ShardSink:

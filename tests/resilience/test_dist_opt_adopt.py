@@ -3,6 +3,9 @@ process, the trainer's model with --use-distributed-optimizer)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -53,6 +56,41 @@ def test_a_shard_sink_stages_adopted_tensors_without_a_copy() -> None:
             if own.piece.unit == 0:
                 want = source[f"{own.piece.name}/exp_avg"].view(-1)[own.piece.start:own.piece.end]
                 assert torch.equal(own.state["exp_avg"], want), own.piece
+    finally:
+        run.close()
+        groups.destroy()
+        platform.remove()
+
+
+def test_a_settled_unit_is_kept_at_once_and_its_staging_let_go() -> None:
+    """A migration settles each unit as it lands: the sink keeps this rank's pieces of it
+    at once and drops the whole staged tensors (only the units in flight stay staged);
+    ``commit`` then keeps the rest, as a sink committed in one go would."""
+    args = parse_args([*ARGS, "--use-distributed-optimizer"])
+    validate_args(args, 1)
+    platform = CpuPlatform()
+    platform.apply()
+    run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
+    try:
+        run.setup()
+        sink = sink_view(run.model, run.optimizer)
+        assert {n: tuple(t.shape) for n, t in sink.tensors(0, "optimizer").items()} == {
+            n: tuple(shape) for n, (shape, _) in sink.specs(0, "optimizer").items()}
+        staged = {n: t.fill_(3.0) for n, t in sink.tensors(0, "optimizer").items()}
+        gone = [weakref.ref(t) for n, t in staged.items() if not n.endswith("/step")]
+        del staged
+        sink.settle(0, "optimizer")
+        gc.collect()
+        assert gone and all(r() is None for r in gone)
+        unit0 = [own for own in owned(run.model, run.optimizer) if own.piece.unit == 0]
+        assert unit0 and all(bool((own.state["exp_avg"] == 3.0).all()) for own in unit0)
+        for u in (1, "embedding", "output"):
+            for t in sink.tensors(u, "optimizer").values():
+                t.fill_(5.0)
+        sink.commit()
+        for own in owned(run.model, run.optimizer):
+            want = 3.0 if own.piece.unit == 0 else 5.0
+            assert bool((own.state["exp_avg"] == want).all()), own.piece
     finally:
         run.close()
         groups.destroy()

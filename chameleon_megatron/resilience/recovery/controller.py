@@ -523,7 +523,8 @@ class RecoveryController:
             old = shard_assembly.assemble(group, membership.members, self.me, res.shards,
                                           self.shards, res.agreed.iteration)
         sink = sink_view(*trainer.model_and_optimizer()) if active else NoState()
-        overlap.adopt_local(old, sink, decision.transfers, self.me)
+        if self.shards is None:  # (assembled units are built, and adopted, one at a time)
+            overlap.adopt_local(old, sink, decision.transfers, self.me)
         report = migrate(group, membership.members, self.me, decision.transfers,
                          old=old, new=sink, timeout_s=timeouts.rendezvous_s,
                          store=self.job.scoped(f"gen/{membership.generation}/migrate"),

@@ -7,7 +7,9 @@ buffers, the optimizer's wrappers, the engine and runtime with their communicato
 failed step's activations are let go (``free_layout``) before the new layout allocates. A
 unit that stays on its rank is not copied: the new optimizer adopts the old state tensors
 (``adopt_local``), so the new layout adds its parameters and gradient buffers, and the state
-of the units it receives, to the old state, not a second copy of all of it.
+of the units it receives, to the old state, not a second copy of all of it. (Units rebuilt
+from the distributed optimizer's shard copies are built, and adopted, one wave at a time by
+the migration itself: ``transfer.migrate``.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ data-parallel group has a copy at that step on some member: the rank's own, or t
 its successor holds. ``unassemblable`` names the survivors that cannot (two neighbours of
 one group dead): the decision treats them as stale, so units nobody can assemble fall back
 to the checkpoint. ``assemble`` moves the copies each survivor lacks (point-to-point in the
-recovery group) and returns its units at that step as a ``StateView``.
+recovery group) and returns its units at that step as a ``StateView`` that builds a unit
+whole only when it is read.
 """
 
 from __future__ import annotations
@@ -122,10 +123,18 @@ def sources(held: Held, iteration: int, completed: int) -> dict[str, Any]:
 
 
 def moves(held: Held, iteration: int) -> list[Move]:
-    """Every copy each assembling member lacks, and who sends it (pure)."""
+    """Every copy each assembling member needs besides its own, and who sends it: the
+    replica it holds itself where it is that copy (no transfer), else the copy's provider
+    (pure)."""
     have, refused = providers(held, iteration), set(unassemblable(held, iteration))
-    return [(*have[x], m, x) for m, group in sorted(_groups(held).items()) if m not in refused
-            for x in group if x != m]
+    out: list[Move] = []
+    for m, group in sorted(_groups(held).items()):
+        if m in refused:
+            continue
+        replica = (_at(held[m], iteration) or {}).get("replica")
+        out += [(m, "replica", m, x) if replica and replica["rank"] == x else (*have[x], m, x)
+                for x in group if x != m]
+    return out
 
 
 @torch.no_grad()
@@ -158,17 +167,29 @@ def assemble(group: Any, members: Sequence[int], me: int, held: Held,
 
 class AssembledUnits:
     """Whole units rebuilt from shard copies: a ``StateView`` to read (the model parameters
-    are their main copies cast to the model's dtype, as the optimizer writes them)."""
+    are their main copies cast to the model's dtype, as the optimizer writes them).
+
+    Each read builds the unit it asks for, from the pieces, and keeps nothing: the migration
+    reads a unit just before it sends it, so a rank never holds all its units whole at once
+    (it holds the copies already). ``specs`` names what a read returns without building it."""
 
     def __init__(self, copies: Sequence[ShardCopy], keep: Sequence[StateUnit] = ()) -> None:
         """``keep``: the units to rebuild (default: every unit the copies hold pieces of)."""
         self._keep = set(keep)
-        self._placed: set = set()
-        self._entries: dict[StateUnit, dict[str, dict[str, torch.Tensor]]] = {}
+        placed: set = set()
+        self._pieces: dict[StateUnit, dict[str, list[tuple[ShardCopy, int]]]] = {}
         self._shapes: dict[tuple[StateUnit, str], tuple[int, ...]] = {}
         covered: dict[tuple[StateUnit, str], int] = {}
         for copy in copies:
-            self._place(copy, covered)
+            for i, piece in enumerate(copy.pieces):
+                if (self._keep and piece.unit not in self._keep) or piece in placed:
+                    continue  # (a plan keeps the tied copy whole on each holder: the same piece)
+                placed.add(piece)
+                self._pieces.setdefault(piece.unit, {}).setdefault(piece.name, []).append(
+                    (copy, i))
+                key = (piece.unit, piece.name)
+                self._shapes[key] = piece.shape
+                covered[key] = covered.get(key, 0) + piece.numel
         for (unit, name), count in covered.items():
             whole = _numel(self._shapes[(unit, name)])
             if count != whole:
@@ -177,45 +198,58 @@ class AssembledUnits:
         first = copies[0] if copies else None
         self._dtype = dtype_of(first.dtype) if first else None
         self._keys = first.keys if first else ()
-        if first and first.tied and "word_embeddings.weight" in self._entries.get(EMBEDDING, {}):
-            self._entries.setdefault(OUTPUT, {})["output_layer.weight"] = \
-                self._entries[EMBEDDING]["word_embeddings.weight"]
+        if first and first.tied and "word_embeddings.weight" in self._pieces.get(EMBEDDING, {}):
+            self._pieces.setdefault(OUTPUT, {})["output_layer.weight"] = \
+                self._pieces[EMBEDDING]["word_embeddings.weight"]
             self._shapes[(OUTPUT, "output_layer.weight")] = \
                 self._shapes[(EMBEDDING, "word_embeddings.weight")]
 
-    def _place(self, copy: ShardCopy, covered: dict) -> None:
-        for i, piece in enumerate(copy.pieces):
-            if (self._keep and piece.unit not in self._keep) or piece in self._placed:
-                continue  # (a plan keeps the tied copy whole on each holder: the same piece)
-            self._placed.add(piece)
-            whole = _numel(piece.shape)
-            entry = self._entries.setdefault(piece.unit, {}).setdefault(piece.name, {})
-            self._shapes[(piece.unit, piece.name)] = piece.shape
-            for key in ("main", *copy.keys):
-                chunk = copy.tensor(i, key)
-                if chunk.dim() == 0:  # a scalar (Adam's step): the same on every piece
-                    entry[key] = chunk.clone()
-                    continue
-                entry.setdefault(key, torch.zeros(whole, dtype=chunk.dtype))[
-                    piece.start:piece.end] = chunk
-            key = (piece.unit, piece.name)
-            covered[key] = covered.get(key, 0) + piece.numel
-
     def units(self) -> tuple[StateUnit, ...]:
-        return tuple(self._entries)
+        return tuple(self._pieces)
+
+    def specs(self, unit: StateUnit, kind: StateKind) -> dict[str, tuple[list[int], str]]:
+        """Name -> (shape, dtype) of what ``tensors(unit, kind)`` returns."""
+        out: dict[str, tuple[list[int], str]] = {}
+        for name, parts in self._pieces.get(unit, {}).items():
+            shape = list(self._shapes[(unit, name)])
+            copy, i = parts[0]
+            if kind == "params":
+                out[name] = (shape, str(self._dtype))
+                if self._dtype != torch.float32:
+                    out[f"{name}/main"] = (shape, str(copy.tensor(i, "main").dtype))
+                continue
+            for key in self._keys:
+                chunk = copy.tensor(i, key)
+                out[f"{name}/{key}"] = ([] if chunk.dim() == 0 else shape, str(chunk.dtype))
+        return out
 
     def tensors(self, unit: StateUnit, kind: StateKind) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for name, entry in self._entries.get(unit, {}).items():
+        for name, parts in self._pieces.get(unit, {}).items():
             shape = self._shapes[(unit, name)]
             if kind == "params":
-                out[name] = entry["main"].view(shape).to(self._dtype)
+                main = _whole(parts, "main", shape)
+                out[name] = main.to(self._dtype)
                 if self._dtype != torch.float32:  # (in the dtype a sink stages it in)
-                    out[f"{name}/main"] = entry["main"].view(shape).to(torch.float32)
+                    out[f"{name}/main"] = main
             else:
-                out.update({f"{name}/{key}": entry[key] if entry[key].dim() == 0 else
-                            entry[key].view(shape) for key in self._keys})
+                out.update({f"{name}/{key}": _whole(parts, key, shape) for key in self._keys})
         return out
+
+
+def _whole(parts: Sequence[tuple[ShardCopy, int]], key: str,
+           shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor ``key`` of one parameter, its pieces put together (a scalar, such as
+    Adam's step, is the same on every piece: the first one's)."""
+    copy, i = parts[0]
+    first = copy.tensor(i, key)
+    if first.dim() == 0:
+        return first.clone()
+    whole = torch.empty(_numel(shape), dtype=first.dtype)
+    for copy, i in parts:
+        piece = copy.pieces[i]
+        whole[piece.start:piece.end] = copy.tensor(i, key)
+    return whole.view(shape)
 
 
 def _numel(shape: Sequence[int]) -> int:

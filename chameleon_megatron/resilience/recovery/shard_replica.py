@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
 from chameleon_megatron.resilience.decision.layout import StateUnit
-from chameleon_megatron.resilience.dist_opt import Piece, owned, state_keys
+from chameleon_megatron.resilience.dist_opt import Owned, Piece, owned, state_keys
 from chameleon_megatron.resilience.model_state import (
     megatron_leaves,
     tied_embedding,
@@ -45,6 +45,7 @@ from chameleon_megatron.resilience.recovery.host_copies import (
     HostCopy,
     HostMover,
     Scalar,
+    spec_of,
 )
 from chameleon_megatron.resilience.recovery.run_state import RunState
 
@@ -114,18 +115,31 @@ def collect(model: list[torch.nn.Module], optimizer: Any, mover: HostMover, *, r
             group: tuple[int, ...], iteration: int, reuse: HostBuffers | None = None
             ) -> ShardCopy:
     """This rank's pieces, being copied to host memory (``data.wait`` before reading)."""
-    mine = owned(model, optimizer)
-    keys = state_keys(optimizer)
-    tensors = []
-    for i, own in enumerate(mine):
-        tensors.append((f"{i}/main", own.main))
-        tensors += [(f"{i}/{key}", own.state[key]) for key in keys]
+    mine, keys, tensors = _pieces(model, optimizer)
     data = mover.copy_out(tensors, reuse)
     dtype = str(mine[0].param.dtype) if mine else "torch.float32"
     return ShardCopy(rank=rank, group=tuple(sorted(group)), iteration=iteration,
                      pieces=tuple(o.piece for o in mine), keys=keys, dtype=dtype,
                      tied=tied_embedding(model) is not None, data=data,
                      units=tuple(unit_parameters(model)))
+
+
+def _pieces(model: list[torch.nn.Module], optimizer: Any
+            ) -> tuple[list[Owned], tuple[str, ...], list[tuple[str, torch.Tensor]]]:
+    """This rank's pieces, its optimizer's state keys, and the tensors a copy takes."""
+    mine = owned(model, optimizer)
+    keys = state_keys(optimizer)
+    tensors = []
+    for i, own in enumerate(mine):
+        tensors.append((f"{i}/main", own.main))
+        tensors += [(f"{i}/{key}", own.state[key]) for key in keys]
+    return mine, keys, tensors
+
+
+def _fits(copies: CopySet, model: list[torch.nn.Module], optimizer: Any) -> bool:
+    """Whether a copy of this layout's shard would reuse ``copies``' host memory."""
+    data = [(n, t) for n, t in _pieces(model, optimizer)[2] if t.dim() > 0]
+    return copies.own.data.buffers.spec == spec_of(data)
 
 
 @dataclass(frozen=True)
@@ -248,6 +262,8 @@ class ShardReplicas:
         job = [world_to_job[w] for w in world]
         recycled = self.sets.pop(0) if len(self.sets) > 1 else self._spare
         self._spare = None
+        if wait and recycled is not None and not _fits(recycled, model, optimizer):
+            recycled = None  # another layout's: its memory goes before the new copy's comes
         copy = collect(model, optimizer, self.mover, rank=me, group=partners or tuple(job),
                        iteration=run.iteration, reuse=recycled and recycled.own.data.buffers)
         order = sorted(job)
@@ -288,8 +304,10 @@ class ShardReplicas:
             return
         done = CopySet(flight.copy, flight.replica, flight.run)
         self._last_exchange_s = flight.seconds
-        if drop_older and self.sets:
-            self._spare = self.sets[-1]
+        if drop_older and self.sets:  # kept for its memory only where the next copy fits
+            old = self.sets[-1]
+            self._spare = old if old.own.data.buffers.spec == done.own.data.buffers.spec \
+                else None
             self.sets = []
         self.sets = [*self.sets[-1:], done]
         logger.debug({"event": "shard_replica", "rank": done.own.rank,

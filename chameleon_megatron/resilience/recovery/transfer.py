@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 MAX_TENSORS_PER_TRANSFER = 4096
 """Message tags are transfer index x this + tensor index."""
+WAVE_BYTES = 64 * 2**20
+"""About this much of a migration is in flight at once (``waves``): beyond it, the units a
+rank rebuilds to send and the whole units a sink stages add up."""
 
 
 class StateView(Protocol):
@@ -55,20 +59,51 @@ class MigrationError(RuntimeError):
     """Some transfer did not complete; old state is intact on every rank."""
 
 
-def _spec(tensors: dict[str, torch.Tensor]) -> str:
-    return json.dumps([[n, list(t.shape), str(t.dtype)] for n, t in sorted(tensors.items())])
+Spec = dict[str, tuple[list[int], str]]
+"""Name -> (shape, dtype) of the tensors of one unit and kind."""
 
 
-def _matching(have: dict[str, torch.Tensor], want: list, where: str) -> list[torch.Tensor]:
-    out = []
+def _specs(view: StateView, unit: StateUnit, kind: StateKind) -> Spec:
+    """What ``view.tensors(unit, kind)`` returns, without building it where the view can
+    say (``specs``: assembled units, a sink's staging)."""
+    specs = getattr(view, "specs", None)
+    if specs is not None:
+        return specs(unit, kind)
+    return {n: (list(t.shape), str(t.dtype)) for n, t in view.tensors(unit, kind).items()}
+
+
+def _check(have: Spec, want: list, where: str) -> None:
     for name, shape, dtype in want:
-        tensor = have.get(name)
-        if tensor is None:
+        if name not in have:
             raise MigrationError(f"{where}: the sender holds no tensor {name!r}")
-        if list(tensor.shape) != shape or str(tensor.dtype) != dtype:
-            raise MigrationError(f"{where}: {name!r} is {list(tensor.shape)} {tensor.dtype} on "
-                                 f"the sender, the receiver wants {shape} {dtype}")
-        out.append(tensor)
+        if list(have[name][0]) != shape or have[name][1] != dtype:
+            raise MigrationError(f"{where}: {name!r} is {list(have[name][0])} {have[name][1]} "
+                                 f"on the sender, the receiver wants {shape} {dtype}")
+
+
+def _nbytes(want: list) -> int:
+    return sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in want)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+
+
+def waves(wants: Sequence[list], budget: int) -> list[range]:
+    """Consecutive transfers moved together, about ``budget`` bytes each (a larger one
+    alone). Every member splits the same list the same way, so both ends of a transfer post
+    it in the same wave and each wave's operations are all posted before anyone waits:
+    no member waits on one the other has not posted."""
+    out: list[range] = []
+    start, size = 0, 0
+    for idx, want in enumerate(wants):
+        n = _nbytes(want)
+        if idx > start and size + n > budget:
+            out.append(range(start, idx))
+            start, size = idx, 0
+        size += n
+    if start < len(wants):
+        out.append(range(start, len(wants)))
     return out
 
 
@@ -103,10 +138,12 @@ class _Exchange:
                 d.copy_(s)
             self.copied += d.numel() * d.element_size()
 
-    def finish(self) -> None:
+    def wait(self) -> None:
+        """Every operation posted so far completed (what they held is let go)."""
         for work in self.works:
             work.wait()
         self.mover.to_device(self.unstage)
+        self.works, self.unstage = [], []
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -117,8 +154,8 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 @torch.no_grad()
 def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
             transfers: Sequence[Transfer], *, old: StateView, new: StateView, store: dist.Store,
-            timeout_s: float,
-            abandoned: Callable[[], bool] = lambda: False) -> MigrationReport:
+            timeout_s: float, abandoned: Callable[[], bool] = lambda: False,
+            wave_bytes: int = WAVE_BYTES) -> MigrationReport:
     """Run this rank's part of ``transfers`` (identical list on every member), then confirm.
 
     ``members``: the rank ids of the recovery group, in group-rank order; ``me`` is this
@@ -128,35 +165,36 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
     before senders wait in the store for what a dead receiver will never ask), after every
     sender has checked what its receivers want (so a mismatch fails fast, before anyone waits
     on a message that will not come), and after every transfer completed. ``store`` must be
-    private to this migration; a sender's wait there ends early once ``abandoned()`` (the
-    recovery attempt is over).
+    private to this migration; a wait there ends early once ``abandoned()`` (the recovery
+    attempt is over). The transfers move in ``waves`` of about ``wave_bytes``: a sender reads
+    each unit just before its wave (assembled units are built then), and a receiver that can
+    ``settle`` a unit does so when its wave has landed.
     """
     start = time.perf_counter()
     _confirm(group, None, "start")
     ex = _Exchange(group, me, members)
-    mine = [(idx, t) for idx, t in enumerate(transfers) if me in (t.src, t.dst)]
+    wants: list[list] = []
     error: Exception | None = None
     try:
-        for idx, t in mine:
+        for idx, t in enumerate(transfers):
             if t.dst == me:
                 _publish_want(store, idx, t, new)
-        sending = {idx: _check_send(store, idx, t, old, timeout_s, abandoned) for idx, t in mine
-                   if t.src == me}
+        wants = _read_wants(store, len(transfers), timeout_s, abandoned)
+        for idx, t in enumerate(transfers):
+            if t.src == me:
+                _check(_specs(old, t.layer, t.kind), wants[idx], _where(idx, t))
     except Exception as exc:  # noqa: BLE001 - every member must still vote
         error = exc
     _confirm(group, error, "checking")
     try:
-        for idx, t in mine:
-            tag = idx * MAX_TENSORS_PER_TRANSFER
-            receiving = (None if t.dst != me
-                         else [v for _, v in sorted(new.tensors(t.layer, t.kind).items())])
-            if t.src == t.dst:
-                ex.copy(sending[idx], receiving)
-            elif t.src == me:
-                ex.send(sending[idx], t.dst, tag)
-            else:
-                ex.recv(receiving, t.src, tag)
-        ex.finish()
+        for wave in waves(wants, wave_bytes):
+            for idx in wave:
+                _post(ex, idx, transfers[idx], wants[idx], old, new)
+            ex.wait()
+            settle = getattr(new, "settle", None)
+            for idx in wave:
+                if settle is not None and transfers[idx].dst == me:
+                    settle(transfers[idx].layer, transfers[idx].kind)
     except Exception as exc:  # noqa: BLE001
         error = exc
     _confirm(group, error, "transfer")
@@ -164,21 +202,51 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
                            copied_bytes=ex.copied, seconds=time.perf_counter() - start)
 
 
+def _post(ex: _Exchange, idx: int, t: Transfer, want: list, old: StateView,
+          new: StateView) -> None:
+    """Post this rank's part of transfer ``idx`` (a local one is copied at once)."""
+    me = ex.me
+    if me not in (t.src, t.dst):
+        return
+    sending: list[torch.Tensor] = []
+    if t.src == me:
+        have = old.tensors(t.layer, t.kind)
+        sending = [have[name] for name, _, _ in want]
+        adopt = getattr(new, "adopt", None)
+        if t.dst == me and adopt is not None:  # staged without a copy where it fits
+            adopt(t.layer, t.kind, have)
+    receiving = [] if t.dst != me else [v for _, v in sorted(new.tensors(t.layer,
+                                                                         t.kind).items())]
+    tag = idx * MAX_TENSORS_PER_TRANSFER
+    if t.src == t.dst:
+        ex.copy(sending, receiving)
+    elif t.src == me:
+        ex.send(sending, t.dst, tag)
+    else:
+        ex.recv(receiving, t.src, tag)
+
+
+def _where(idx: int, t: Transfer) -> str:
+    return f"transfer {idx} ({t.kind} of {t.layer!r}, {t.src}->{t.dst})"
+
+
 def _publish_want(store: dist.Store, idx: int, t: Transfer, new: StateView) -> None:
-    wanted = new.tensors(t.layer, t.kind)
+    wanted = _specs(new, t.layer, t.kind)
     if len(wanted) > MAX_TENSORS_PER_TRANSFER:
         raise MigrationError(f"unit {t.layer!r}: {len(wanted)} tensors, more than "
                              f"{MAX_TENSORS_PER_TRANSFER}")
-    store.set(f"want/{idx}", _spec(wanted))
+    store.set(f"want/{idx}", json.dumps([[n, shape, dtype]
+                                         for n, (shape, dtype) in sorted(wanted.items())]))
 
 
-def _check_send(store: dist.Store, idx: int, t: Transfer, old: StateView, timeout_s: float,
-                abandoned: Callable[[], bool]) -> list[torch.Tensor]:
-    """The tensors the receiver of transfer ``idx`` wants, in its order, checked."""
-    wait_keys(store, [f"want/{idx}"], timeout_s=timeout_s, abandoned=abandoned)
-    want = json.loads(store.get(f"want/{idx}"))
-    where = f"transfer {idx} ({t.kind} of {t.layer!r}, {t.src}->{t.dst})"
-    return _matching(old.tensors(t.layer, t.kind), want, where)
+def _read_wants(store: dist.Store, count: int, timeout_s: float,
+                abandoned: Callable[[], bool]) -> list[list]:
+    """What the receiver of every transfer wants, in its order (every member splits the
+    waves from these)."""
+    keys = [f"want/{idx}" for idx in range(count)]
+    if keys:
+        wait_keys(store, keys, timeout_s=timeout_s, abandoned=abandoned)
+    return [json.loads(store.get(k)) for k in keys]
 
 
 def _confirm(group: dist.ProcessGroup, error: Exception | None, stage: str) -> None:

@@ -40,9 +40,10 @@ def test_a_dead_ranks_shard_comes_from_its_successor() -> None:
     h = held([1, 2, 3, 4, 5])
     assert sa.providers(h, 6)[0] == (2, "replica")
     assert sa.unassemblable(h, 6) == ()
-    # every member of rank 0's group gets rank 0's copy from rank 2 and the others' own
+    # every member of rank 0's group gets rank 0's copy from rank 2, the others' from their
+    # owners, except the one it holds as its replica (rank 4 holds rank 2's: no transfer)
     assert sorted(m for m in sa.moves(h, 6) if m[2] in (2, 4)) == [
-        (2, "own", 4, 2), (2, "replica", 2, 0), (2, "replica", 4, 0), (4, "own", 2, 4)]
+        (2, "replica", 2, 0), (2, "replica", 4, 0), (4, "own", 2, 4), (4, "replica", 4, 2)]
     assert sa.sources(h, 6, completed=6) == {"source": "shard copies", "iteration": 6,
                                              "rolled_back_steps": 0, "replicas_of": [0]}
 
@@ -89,6 +90,11 @@ def test_units_are_rebuilt_from_the_pieces() -> None:
     state = units.tensors(3, "optimizer")
     assert state["mlp.linear_fc1.weight/exp_avg"].tolist() == [[10, 20, 30], [40, 50, 60]]
     assert state["mlp.linear_fc1.weight/step"].item() == 6.0
+    for kind, built in (("params", params), ("optimizer", state)):  # what a sender checks
+        assert units.specs(3, kind) == {n: (list(t.shape), str(t.dtype))
+                                        for n, t in built.items()}
+    assert units.tensors(3, "optimizer")["mlp.linear_fc1.weight/exp_avg"] is not \
+        state["mlp.linear_fc1.weight/exp_avg"]  # built on each read, nothing kept
 
 
 def test_a_missing_piece_is_an_error_not_zeros() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import weakref
 from typing import Callable
 
 import pytest
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron.groups import unregistered_gloo_group
 from chameleon_megatron.resilience.decision.restorer import Transfer
-from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate
+from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate, waves
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
@@ -131,12 +132,75 @@ def test_a_member_that_never_takes_part_fails_the_migration_for_the_others() -> 
 def test_a_sender_waiting_for_a_receiver_leaves_when_the_attempt_is_abandoned() -> None:
     """The receiver never says what it wants (it left the attempt): the sender's wait in the
     store ends as soon as the attempt is abandoned, not after its timeout."""
-    from chameleon_megatron.resilience.recovery.transfer import _check_send
+    from chameleon_megatron.resilience.recovery.transfer import _read_wants
     from chameleon_megatron.resilience.store.waits import Abandoned
 
     store, start = dist.HashStore(), time.monotonic()
     threading.Timer(0.2, lambda: store.set("retry", "1")).start()
     with pytest.raises(Abandoned):
-        _check_send(store, 0, Transfer(0, 1, 0, "params", 48), old=None, timeout_s=60,
-                    abandoned=lambda: store.check(["retry"]))
+        _read_wants(store, 1, timeout_s=60, abandoned=lambda: store.check(["retry"]))
     assert time.monotonic() - start < 5
+
+
+def test_waves_split_the_transfers_by_bytes_the_same_way_everywhere() -> None:
+    """100 fp32 elements are 400 bytes: a 1000-byte budget takes two, then one more is over
+    it; a transfer larger than the budget goes alone."""
+    small, big = [["w", [100], "torch.float32"]], [["w", [10, 100], "torch.bfloat16"]]
+    assert waves([small, small, small, big, small], 1000) == [range(0, 2), range(2, 3),
+                                                             range(3, 4), range(4, 5)]
+    assert waves([], 1000) == []
+
+
+class BuiltOnRead(DictView):
+    """Old state whose every read builds new tensors (as assembled units do), with their
+    specs known beforehand; it counts how many built tensors are alive at each read."""
+
+    def __init__(self, data: dict) -> None:
+        super().__init__(data)
+        self.alive: list[weakref.ref] = []
+        self.most_alive = 0
+
+    def specs(self, item, kind):
+        return {n: (list(t.shape), str(t.dtype)) for n, t in self.data.get(item, {}).get(
+            kind, {}).items()}
+
+    def tensors(self, item, kind):
+        self.alive = [r for r in self.alive if r() is not None]
+        self.most_alive = max(self.most_alive, len(self.alive))
+        built = {n: t.clone() for n, t in super().tensors(item, kind).items()}
+        self.alive += [weakref.ref(t) for t in built.values()]
+        return built
+
+
+class Settling(DictView):
+    """New state that records, per unit it settles, whether the unit had landed whole."""
+
+    def __init__(self, data: dict, expect: dict) -> None:
+        super().__init__(data)
+        self.expect = expect
+        self.settled: list[tuple] = []
+
+    def settle(self, item, kind):
+        landed = all(torch.equal(self.data[item][kind][n], t)
+                     for n, t in self.expect[item][kind].items())
+        self.settled.append((item, kind, landed))
+
+
+def test_units_move_in_waves_read_when_sent_and_settled_when_landed() -> None:
+    """Rank 0 sends four layers to rank 1 in waves of one transfer: it reads each layer
+    just before sending it (at most one read's tensors alive at a time: all four were held
+    before waves), and rank 1 settles each unit once it has landed."""
+    src = {i: {"params": layer(i)} for i in range(4)}
+    old = BuiltOnRead(src)
+    new = Settling({i: {"params": {k: torch.zeros_like(v) for k, v in layer(i).items()}}
+                    for i in range(4)}, src)
+    plan = [Transfer(0, 1, i, "params", 60) for i in range(4)]
+    views = [(old, DictView({})), (DictView({}), new)]
+    reports = run_members(2, lambda r, g, s: migrate(g, (0, 1), r, plan, old=views[r][0],
+                                                     new=views[r][1], store=s, timeout_s=5,
+                                                     wave_bytes=1))
+    assert not any(isinstance(r, Exception) for r in reports), reports
+    assert new.settled == [(i, "params", True) for i in range(4)]
+    assert old.most_alive <= 2, old.most_alive  # one layer's two tensors, not four layers'
+    for i in range(4):
+        assert all(torch.equal(new.data[i]["params"][n], t) for n, t in layer(i).items())
