@@ -173,3 +173,53 @@ def test_after_a_failed_step_a_copy_stuck_on_a_rank_that_left_is_dropped(monkeyp
                                              lambda _: time.sleep(0.5))
     replicas.settle()
     assert [s.iteration for s in replicas.sets] == [11]
+
+
+def test_a_new_layouts_first_copy_lets_the_old_layouts_pairs_go(monkeypatch) -> None:
+    """In a world of one, two overlapped copies of a 2-element piece are held; then the
+    layout changes (a 3-element piece) and its first copy is taken and waited for (as after
+    a recovery): the older pair, which does not fit it, is let go before the new copy
+    allocates, and the newer one is not kept for reuse afterwards. In the same layout the
+    older pair's memory is reused and the newer one kept."""
+    import weakref
+
+    size = [2]
+    state = {}
+
+    def mine(model, optimizer):
+        n = size[0]
+        state.update(main=torch.ones(n), exp_avg=torch.ones(n), step=torch.tensor(1.0))
+        return [Owned(Piece(0, "w", 0, n, (n,)), torch.zeros(n), state["main"],
+                      {"exp_avg": state["exp_avg"], "step": state["step"]})]
+    monkeypatch.setattr(shard_replica, "owned", mine)
+    monkeypatch.setattr(shard_replica, "state_keys", lambda optimizer: ("exp_avg", "step"))
+    monkeypatch.setattr(shard_replica, "tied_embedding", lambda model: None)
+    monkeypatch.setattr(shard_replica, "unit_parameters", lambda model: {0: {}})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def refresh(step: int, wait: bool) -> None:
+            replicas.refresh([], None, RunState(step, step), me=0, world_to_job=(0,),
+                             ring=dist.group.WORLD, wait=wait)
+
+        def older_alive_at_copy(step: int) -> bool:
+            older = weakref.ref(replicas.sets[0].own.data.buffers)
+            seen = []
+            real = replicas.mover.copy_out
+            replicas.mover.copy_out = lambda *a: seen.append(older() is not None) or real(*a)
+            refresh(step, wait=True)
+            replicas.mover.copy_out = real
+            return seen == [True]
+
+        replicas = shard_replica.ShardReplicas(interval=1)
+        refresh(1, wait=False)
+        refresh(2, wait=False)
+        replicas.settle()
+        assert older_alive_at_copy(3)  # same layout: reused
+        assert replicas._spare is not None and [s.iteration for s in replicas.sets] == [3]
+        refresh(4, wait=False)
+        replicas.settle()
+        size[0] = 3  # a new layout
+        assert not older_alive_at_copy(5)
+        assert replicas._spare is None and [s.iteration for s in replicas.sets] == [5]
+    finally:
+        dist.destroy_process_group()
