@@ -216,7 +216,7 @@ class AssembledUnits:
             if kind == "params":
                 out[name] = (shape, str(self._dtype))
                 if self._dtype != torch.float32:
-                    out[f"{name}/main"] = (shape, str(copy.tensor(i, "main").dtype))
+                    out[f"{name}/main"] = (shape, str(torch.float32))
                 continue
             for key in self._keys:
                 chunk = copy.tensor(i, key)
@@ -231,7 +231,7 @@ class AssembledUnits:
                 main = _whole(parts, "main", shape)
                 out[name] = main.to(self._dtype)
                 if self._dtype != torch.float32:  # (in the dtype a sink stages it in)
-                    out[f"{name}/main"] = main
+                    out[f"{name}/main"] = main.to(torch.float32)
             else:
                 out.update({f"{name}/{key}": _whole(parts, key, shape) for key in self._keys})
         return out
