@@ -212,12 +212,12 @@ class AssembledUnits:
         out: dict[str, tuple[list[int], str]] = {}
         for name, parts in self._pieces.get(unit, {}).items():
             shape = list(self._shapes[(unit, name)])
-            copy, i = parts[0]
             if kind == "params":
                 out[name] = (shape, str(self._dtype))
                 if self._dtype != torch.float32:
                     out[f"{name}/main"] = (shape, str(torch.float32))
                 continue
+            copy, i = parts[0]
             for key in self._keys:
                 chunk = copy.tensor(i, key)
                 out[f"{name}/{key}"] = ([] if chunk.dim() == 0 else shape, str(chunk.dtype))

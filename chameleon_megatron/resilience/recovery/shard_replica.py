@@ -49,6 +49,9 @@ from chameleon_megatron.resilience.recovery.host_copies import (
 )
 from chameleon_megatron.resilience.recovery.run_state import RunState
 
+Pieces = tuple[list[Owned], tuple[str, ...], list[tuple[str, torch.Tensor]]]
+"""This rank's pieces, its optimizer's state keys, and the tensors a copy takes (``_pieces``)."""
+
 logger = logging.getLogger(__name__)
 
 PATIENCE_S = 2.0
@@ -112,10 +115,11 @@ class ShardCopy:
 
 @torch.no_grad()
 def collect(model: list[torch.nn.Module], optimizer: Any, mover: HostMover, *, rank: int,
-            group: tuple[int, ...], iteration: int, reuse: HostBuffers | None = None
-            ) -> ShardCopy:
-    """This rank's pieces, being copied to host memory (``data.wait`` before reading)."""
-    mine, keys, tensors = _pieces(model, optimizer)
+            group: tuple[int, ...], iteration: int, reuse: HostBuffers | None = None,
+            pieces: Pieces | None = None) -> ShardCopy:
+    """This rank's pieces (``pieces``: as ``_pieces`` found them), being copied to host
+    memory (``data.wait`` before reading)."""
+    mine, keys, tensors = pieces or _pieces(model, optimizer)
     data = mover.copy_out(tensors, reuse)
     dtype = str(mine[0].param.dtype) if mine else "torch.float32"
     return ShardCopy(rank=rank, group=tuple(sorted(group)), iteration=iteration,
@@ -124,8 +128,7 @@ def collect(model: list[torch.nn.Module], optimizer: Any, mover: HostMover, *, r
                      units=tuple(unit_parameters(model)))
 
 
-def _pieces(model: list[torch.nn.Module], optimizer: Any
-            ) -> tuple[list[Owned], tuple[str, ...], list[tuple[str, torch.Tensor]]]:
+def _pieces(model: list[torch.nn.Module], optimizer: Any) -> Pieces:
     """This rank's pieces, its optimizer's state keys, and the tensors a copy takes."""
     mine = owned(model, optimizer)
     keys = state_keys(optimizer)
@@ -136,10 +139,10 @@ def _pieces(model: list[torch.nn.Module], optimizer: Any
     return mine, keys, tensors
 
 
-def _fits(copies: CopySet, model: list[torch.nn.Module], optimizer: Any) -> bool:
-    """Whether a copy of this layout's shard would reuse ``copies``' host memory."""
-    data = [(n, t) for n, t in _pieces(model, optimizer)[2] if t.dim() > 0]
-    return copies.own.data.buffers.spec == spec_of(data)
+def _fits(copies: CopySet, pieces: Pieces) -> bool:
+    """Whether a copy of ``pieces`` would reuse ``copies``' host memory."""
+    return copies.own.data.buffers.spec == spec_of([(n, t) for n, t in pieces[2]
+                                                    if t.dim() > 0])
 
 
 @dataclass(frozen=True)
@@ -262,10 +265,12 @@ class ShardReplicas:
         job = [world_to_job[w] for w in world]
         recycled = self.sets.pop(0) if len(self.sets) > 1 else self._spare
         self._spare = None
-        if wait and recycled is not None and not _fits(recycled, model, optimizer):
+        pieces = _pieces(model, optimizer)
+        if wait and recycled is not None and not _fits(recycled, pieces):
             recycled = None  # another layout's: its memory goes before the new copy's comes
         copy = collect(model, optimizer, self.mover, rank=me, group=partners or tuple(job),
-                       iteration=run.iteration, reuse=recycled and recycled.own.data.buffers)
+                       iteration=run.iteration, reuse=recycled and recycled.own.data.buffers,
+                       pieces=pieces)
         order = sorted(job)
         exchange = _Exchange(self._ring.group(), order, job, world, me,
                              recycled and recycled.replica, self.fault)

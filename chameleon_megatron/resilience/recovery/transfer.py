@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind, Transfer
-from chameleon_megatron.resilience.recovery.host_copies import HostMover
+from chameleon_megatron.resilience.recovery.host_copies import HostMover, dtype_of
 from chameleon_megatron.resilience.store.waits import wait_keys
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,7 @@ def _check(have: Spec, want: list, where: str) -> None:
 
 
 def _nbytes(want: list) -> int:
-    return sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in want)
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+    return sum(math.prod(shape) * dtype_of(dtype).itemsize for _, shape, dtype in want)
 
 
 def waves(wants: Sequence[list], budget: int) -> list[range]:
@@ -187,11 +183,11 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
         error = exc
     _confirm(group, error, "checking")
     try:
+        settle = getattr(new, "settle", None)
         for wave in waves(wants, wave_bytes):
             for idx in wave:
                 _post(ex, idx, transfers[idx], wants[idx], old, new)
             ex.wait()
-            settle = getattr(new, "settle", None)
             for idx in wave:
                 if settle is not None and transfers[idx].dst == me:
                     settle(transfers[idx].layer, transfers[idx].kind)
