@@ -27,7 +27,9 @@ from chameleon_megatron.resilience.launch.nodes import NodeWatch
 from chameleon_megatron.resilience.store.announce import FailureRecord, announce
 from chameleon_megatron.resilience.store.env import BEAT_DIR_ENV, JOIN_ENV
 from chameleon_megatron.resilience.store.exits import WORKER_LEFT_EXIT
-from chameleon_megatron.resilience.store.heartbeat import overdue, read_beats
+from chameleon_megatron.resilience.store.heartbeat import (
+    STACKS_GRACE_S, STACKS_SIGNAL, overdue, read_beats,
+)
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import allocate_join_id
 
@@ -196,6 +198,7 @@ class WorkerPool:
                            startup_timeout_s=self._ft.startup_timeout_s)
             if not late:
                 continue
+            _stacks(member.proc)
             _signal(member.proc, signal.SIGKILL)  # its own session: the worker and its children
             try:
                 member.proc.wait(timeout=10)
@@ -232,6 +235,14 @@ class WorkerPool:
 def _append(path: str) -> IO[str] | None:
     """A worker's log file opened to append; None (inherit the agent's) for a console stream."""
     return open(path, "a") if path else None  # noqa: SIM115 (closed when the worker exits)
+
+
+def _stacks(proc: subprocess.Popen) -> None:
+    """Ask a silent worker (not its children) where it hangs: its threads' stacks, in its
+    log, before the kill."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, STACKS_SIGNAL)
+        time.sleep(STACKS_GRACE_S)
 
 
 def _signal(proc: subprocess.Popen, sig: signal.Signals) -> None:

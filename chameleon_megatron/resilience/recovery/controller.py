@@ -435,10 +435,14 @@ class RecoveryController:
 
     def _join(self, timeouts: Timeouts) -> Membership:
         """This generation's membership; any failure announced after it (its list left that
-        one in) ends the attempt."""
-        self._say_wait("join", timeouts.rendezvous_s)
+        one in) ends the attempt. A member not arrived yet is suspected after the rendezvous
+        window, but never before the node window: a host behind a slow link makes each store
+        call on its way to the join one round trip late (2 s links missed a 20 s window), and
+        a node is not taken for lost before that window anyway."""
+        window_s = max(timeouts.rendezvous_s, self.ft.node_timeout_s)
+        self._say_wait("join", window_s)
         membership = agree_membership(self.job, self.generation, self.me, self.members,
-                                      timeout_s=timeouts.rendezvous_s, on_wait=self._keepalive)
+                                      timeout_s=window_s, on_wait=self._keepalive)
         self._attempt_failures = len(membership.failed)  # failures are counted once each
         self.watcher.covered(self._attempt_failures)
         return membership

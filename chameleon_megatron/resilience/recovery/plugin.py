@@ -45,6 +45,7 @@ from chameleon_megatron.resilience.recovery.faults import FaultInjector
 from chameleon_megatron.resilience.recovery.live_profile import check_profile
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.store.env import RELAUNCH_ENV
+from chameleon_megatron.resilience.store.heartbeat import dump_stacks_on_request
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.joiners import join_id_from_env
 from chameleon_megatron.training.plugin import (
@@ -130,6 +131,7 @@ class ResiliencePlugin(TrainerPlugin):
 
     def _controller(self, me: int, plan: Any, backend: str) -> RecoveryController:
         job = JobStore.from_env()
+        dump_stacks_on_request()  # what its agent asks for before killing it as silent
         detector = FailureDetector(job, me, self.ft)
         detector.beat()
         groups.set_timeouts(detector.timeouts.pg_s)  # never megatron's 30-minute default

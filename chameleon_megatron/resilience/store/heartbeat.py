@@ -14,8 +14,10 @@ seconds, the beats reached the store past the window, and the agent killed its o
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +25,20 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from chameleon_megatron.resilience.store.env import BEAT_DIR_ENV
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""What an agent sends a worker it found silent, just before it kills it: the worker writes
+every thread's stack to its stderr (``dump_stacks_on_request``), the one record of where it
+hung."""
+STACKS_GRACE_S = 1.0
+"""How long the agent lets a silent worker write its stacks before the kill."""
+
+
+def dump_stacks_on_request() -> None:
+    """In a worker: ``STACKS_SIGNAL`` dumps every thread's stack to stderr (from C: it works
+    while the main thread is blocked in a collective)."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_megatron.configurable import ConfigError
-from chameleon_megatron.resilience.store.announce import FailureRecord, announce
+from chameleon_megatron.resilience.store.announce import FailureRecord, announce, failure_count
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.controller import RecoveryController, RecoveryFailed
 from chameleon_megatron.resilience.recovery.detector import FailureDetector, StepTimer, Timeouts
@@ -400,7 +400,7 @@ def test_a_rank_suspected_in_the_regroup_leaves_the_attempt_uninterrupted() -> N
     that suspicion for a failure during the attempt. A failure after it does end the
     attempt."""
     job = JobStore(dist.HashStore(), "run")
-    ft = ResilienceConfig()
+    ft = ResilienceConfig(node_timeout_s=0.1)
     interrupted: list[int] = []
     teardown = SimpleNamespace(interrupt=lambda: interrupted.append(1) or 1)
     controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
@@ -417,3 +417,23 @@ def test_a_rank_suspected_in_the_regroup_leaves_the_attempt_uninterrupted() -> N
     announce(job, FailureRecord(rank=1, time=time.time(), reason="exit", exitcode=1))
     controller.watcher._tick()
     assert interrupted == [1] and controller._abandoned()
+
+
+def test_a_member_behind_a_slow_link_joins_within_the_node_window() -> None:
+    """Rank 1 reaches the join 0.5 s late, past the 0.1 s rendezvous window but inside the
+    1 s node window (a host whose every store call is a round trip late): it is waited for,
+    not suspected."""
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig(node_timeout_s=1.0)
+    controller = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+                                    injector=FaultInjector(0), ft=ft, me=0, plan=DP2_PP2,
+                                    backend="gloo")
+    controller.members = (0, 1)
+    controller.generation = 1
+    late = threading.Timer(0.5, lambda: job.scoped("gen/1").set("join/1", "1"))
+    late.start()
+    try:
+        membership = controller._join(Timeouts(pg_s=0.1, heartbeat_s=0.2, rendezvous_s=0.1))
+    finally:
+        late.join()
+    assert membership.members == (0, 1) and failure_count(job) == 0

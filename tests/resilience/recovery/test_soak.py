@@ -295,12 +295,25 @@ def _exit_code(agent, stall_s: float, tmp: Path) -> int:
 
 
 def _warnings(tmp: Path, last: int = 25) -> str:
-    """The agents' last warnings and errors, in time order: what a stalled job was doing."""
-    lines = [f"{p.name}: {line[:400]}" for p in tmp.glob("log?*")  # each agent's
-             for line in p.read_text(errors="replace").splitlines()
-             if " WARNING " in line or " ERROR " in line]
-    lines.sort(key=lambda line: line.split(": ", 1)[1][:23])
-    return "the agents' last warnings:\n" + "\n".join(lines[-last:])
+    """The agents' last warnings and errors, with the exception that ended a worker (dated
+    by the line before it), in time order: what a stalled job was doing."""
+    lines = []
+    for path in tmp.glob("log?*"):  # each agent's
+        stamp = ""
+        for line in path.read_text(errors="replace").splitlines():
+            if line[:4].isdigit():
+                stamp = line[:23]
+            line = _PREFIX.sub("", line)
+            if " WARNING " in line or " ERROR " in line or _ENDED.match(line):
+                lines.append((stamp, f"{path.name}: {line[:400]}"))
+    lines.sort(key=lambda pair: pair[0])
+    return "the agents' last warnings:\n" + "\n".join(line for _, line in lines[-last:])
+
+
+_PREFIX = re.compile(r"^(\[rank\d+\]: )+")
+"""What torch's launcher puts before each line of a worker's error output."""
+_ENDED = re.compile(r"^[\w.]*(Error|Failed|Fault|Exception)\b.*: ")
+"""The last line of a worker's traceback (``RecoveryFailed: ...``)."""
 
 
 def _tails(logs: list[Path]) -> str:
