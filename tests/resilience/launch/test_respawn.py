@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -37,7 +38,7 @@ WORKER = textwrap.dedent("""
     from rt_support import guard_worker
     guard_worker(90)
     from chameleon_megatron.resilience.store.announce import read_failures
-    from chameleon_megatron.resilience.store.heartbeat import Heartbeat
+    from chameleon_megatron.resilience.store.heartbeat import Heartbeat, dump_stacks_on_request
     from chameleon_megatron.resilience.store.job_store import JobStore
     from chameleon_megatron.resilience.store.joiners import join_id_from_env
 
@@ -56,7 +57,10 @@ WORKER = textwrap.dedent("""
     if how == "exit":
         sys.exit(3)
     if how == "hang":
-        time.sleep(3600)
+        dump_stacks_on_request()
+        def hung_here():
+            time.sleep(3600)
+        hung_here()
     seen = {{k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}}
     if join_id is not None:
         (out / f"joiner-{{join_id}}.json").write_text(json.dumps({{"argv": sys.argv, "env": seen}}))
@@ -120,8 +124,9 @@ def test_without_respawns_nothing_is_restarted(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 def test_a_silent_joiner_is_killed_announced_and_restarted_in_turn(tmp_path: Path) -> None:
-    """Rank 1 exits; its joiner 2 beats once (1 s timeout) and hangs; joiner 3 works, then
-    fails once the job is done: with budget left, it is still not restarted."""
+    """Rank 1 exits; its joiner 2 beats once (1 s timeout) and hangs (its agent has it write
+    its stacks before the kill); joiner 3 works, then fails once the job is done: with budget
+    left, it is still not restarted."""
     report = _launch(tmp_path, "1:exit,2:hang,3:exit-when-done", wait_s=60, expect=3,
                      respawns=3)
     failures = {f["rank"]: f for f in report["failures"]}
@@ -129,6 +134,8 @@ def test_a_silent_joiner_is_killed_announced_and_restarted_in_turn(tmp_path: Pat
     silent = failures[2]
     assert (silent["reason"], silent["signal"]) == ("heartbeat", "SIGKILL")
     assert silent["time"] - silent["last_seen"] >= 1.0
+    log = (tmp_path / "log").read_text()  # where it hung, asked for before the kill
+    assert re.search(r'File ".*worker.py", line \d+ in hung_here', log), log[-3000:]
     assert (failures[3]["reason"], failures[3]["exitcode"]) == ("exit", 3)
     assert {i: s["failed"] for i, s in report["spawned"].items()} == {"2": 1, "3": 2}
     assert _joiner(tmp_path, 3)["env"]["RANK"] == "1"
