@@ -37,8 +37,10 @@ STACKS_GRACE_S = 1.0
 
 def dump_stacks_on_request() -> None:
     """In a worker: ``STACKS_SIGNAL`` dumps every thread's stack to stderr (from C: it works
-    while the main thread is blocked in a collective)."""
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    while the main thread is blocked in a collective). A handler already installed for it
+    (Megatron-LM's ``--exit-signal`` may name it) still runs after the dump."""
+    installed = signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=installed)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -76,6 +78,30 @@ def test_heartbeats_round_trip_through_the_agents_folder(beat_dir: Path) -> None
     Heartbeat.from_env(3).beat(timeout_s=7.5, iteration=12)
     beats = read_beats(beat_dir, [2, 3])
     assert list(beats) == [3] and (beats[3].timeout_s, beats[3].iteration) == (7.5, 12)
+
+
+STACKS_CHILD = """
+import os, signal, sys, time
+from chameleon_megatron.resilience.store.heartbeat import STACKS_SIGNAL, dump_stacks_on_request
+seen = []
+if sys.argv[1] == "prior":  # e.g. Megatron-LM's --exit-signal handler, installed first
+    signal.signal(STACKS_SIGNAL, lambda *_: seen.append(1))
+dump_stacks_on_request()
+os.kill(os.getpid(), STACKS_SIGNAL)
+time.sleep(0.5)
+print("alive", len(seen))
+"""
+
+
+@pytest.mark.parametrize("prior", ["none", "prior"])
+def test_a_stack_request_dumps_every_thread_and_keeps_a_prior_handler(prior: str) -> None:
+    """The signal an agent sends before killing a silent worker writes the worker's stacks
+    and nothing else: the worker lives on, and a handler installed before still runs."""
+    out = subprocess.run([sys.executable, "-c", STACKS_CHILD, prior], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "most recent call first" in out.stderr, out.stderr[-2000:]
+    assert out.stdout.split() == ["alive", "1" if prior == "prior" else "0"]
 
 
 def test_a_step_pulses_at_most_once_a_second_and_keeps_a_hold(monkeypatch,
