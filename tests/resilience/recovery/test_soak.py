@@ -301,9 +301,9 @@ def _warnings(tmp: Path, last: int = 25) -> str:
     for path in tmp.glob("log?*"):  # each agent's
         stamp = ""
         for line in path.read_text(errors="replace").splitlines():
+            line = _PREFIX.sub("", line)
             if line[:4].isdigit():
                 stamp = line[:23]
-            line = _PREFIX.sub("", line)
             if " WARNING " in line or " ERROR " in line or _ENDED.match(line):
                 lines.append((stamp, f"{path.name}: {line[:400]}"))
     lines.sort(key=lambda pair: pair[0])
