@@ -193,12 +193,12 @@ class WorkerPool:
         """Kill and announce running workers whose heartbeat deadline has passed."""
         running = self._running()
         beats = read_beats(self.beat_dir, [m.rank for m in running])
-        for member in running:
-            late = overdue(beats, [member.rank], now=now, started_at=member.started_at,
-                           startup_timeout_s=self._ft.startup_timeout_s)
-            if not late:
-                continue
-            _stacks(member.proc)
+        silent = [(member, late) for member in running
+                  if (late := overdue(beats, [member.rank], now=now,
+                                      started_at=member.started_at,
+                                      startup_timeout_s=self._ft.startup_timeout_s))]
+        _stacks([member.proc for member, _ in silent])
+        for member, late in silent:
             _signal(member.proc, signal.SIGKILL)  # its own session: the worker and its children
             try:
                 member.proc.wait(timeout=10)
@@ -237,11 +237,13 @@ def _append(path: str) -> IO[str] | None:
     return open(path, "a") if path else None  # noqa: SIM115 (closed when the worker exits)
 
 
-def _stacks(proc: subprocess.Popen) -> None:
-    """Ask a silent worker (not its children) where it hangs: its threads' stacks, in its
-    log, before the kill."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, STACKS_SIGNAL)
+def _stacks(procs: list[subprocess.Popen]) -> None:
+    """Ask silent workers (not their children) where they hang: their threads' stacks, in
+    their logs, before the kill (one grace period for all of them)."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, STACKS_SIGNAL)
+    if procs:
         time.sleep(STACKS_GRACE_S)
 
 

@@ -294,6 +294,12 @@ def _exit_code(agent, stall_s: float, tmp: Path) -> int:
     return agent.poll()
 
 
+_PREFIX = re.compile(r"^(\[rank\d+\]: )+")
+"""What torch's launcher puts before each line of a worker's error output."""
+_ENDED = re.compile(r"^[\w.]*(Error|Failed|Fault|Exception)\b.*: ")
+"""The last line of a worker's traceback (``RecoveryFailed: ...``)."""
+
+
 def _warnings(tmp: Path, last: int = 25) -> str:
     """The agents' last warnings and errors, with the exception that ended a worker (dated
     by the line before it), in time order: what a stalled job was doing."""
@@ -308,12 +314,6 @@ def _warnings(tmp: Path, last: int = 25) -> str:
                 lines.append((stamp, f"{path.name}: {line[:400]}"))
     lines.sort(key=lambda pair: pair[0])
     return "the agents' last warnings:\n" + "\n".join(line for _, line in lines[-last:])
-
-
-_PREFIX = re.compile(r"^(\[rank\d+\]: )+")
-"""What torch's launcher puts before each line of a worker's error output."""
-_ENDED = re.compile(r"^[\w.]*(Error|Failed|Fault|Exception)\b.*: ")
-"""The last line of a worker's traceback (``RecoveryFailed: ...``)."""
 
 
 def _tails(logs: list[Path]) -> str:
