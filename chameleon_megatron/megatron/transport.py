@@ -28,11 +28,13 @@ from typing import Iterator
 logger = logging.getLogger(__name__)
 
 _ESTABLISHED = "01"
+_CLOSE_WAIT = "08"
+"""The peer closed its end; this end is open until shut down or closed."""
 
 
-def _tcp_ports() -> dict[int, tuple[int, int]]:
-    """socket inode -> (local port, remote port) of this network namespace's established
-    TCP connections."""
+def _tcp_ports(states: tuple[str, ...] = (_ESTABLISHED,)) -> dict[int, tuple[int, int]]:
+    """socket inode -> (local port, remote port) of this network namespace's TCP connections
+    in ``states``."""
     out: dict[int, tuple[int, int]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -41,7 +43,7 @@ def _tcp_ports() -> dict[int, tuple[int, int]]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 10 or fields[3] != _ESTABLISHED:
+            if len(fields) < 10 or fields[3] not in states:
                 continue
             local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
             out[int(fields[9])] = (local, remote)
@@ -65,10 +67,11 @@ def _socket_fds() -> dict[int, int]:
     return out
 
 
-def _connections(keep_ports: set[int]) -> Iterator[tuple[int, int]]:
-    """(socket inode, file descriptor) of this process's established TCP connections, but
+def _connections(keep_ports: set[int], states: tuple[str, ...] = (_ESTABLISHED,)
+                 ) -> Iterator[tuple[int, int]]:
+    """(socket inode, file descriptor) of this process's TCP connections in ``states``, but
     those to or from a port in ``keep_ports``."""
-    ports = _tcp_ports()
+    ports = _tcp_ports(states)
     for inode, fd in _socket_fds().items():
         local_remote = ports.get(inode)
         if local_remote is not None and not keep_ports & set(local_remote):
@@ -76,10 +79,11 @@ def _connections(keep_ports: set[int]) -> Iterator[tuple[int, int]]:
 
 
 def close_connections(keep_ports: set[int]) -> int:
-    """Shut down this process's established TCP connections except those to or from a port
-    in ``keep_ports``; returns how many were shut down."""
+    """Shut down this process's open TCP connections except those to or from a port in
+    ``keep_ports``; returns how many were shut down. Those whose peer closed first are
+    included: an operation blocked on one ends when this end is shut down too."""
     closed = 0
-    for _, fd in _connections(keep_ports):
+    for _, fd in _connections(keep_ports, (_ESTABLISHED, _CLOSE_WAIT)):
         try:
             with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as dup:
                 dup.shutdown(socket.SHUT_RDWR)

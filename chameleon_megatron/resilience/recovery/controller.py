@@ -232,6 +232,7 @@ class RecoveryController:
 
     def _handle(self, exc: BaseException, trainer: TrainerHandle) -> StepAction | None:
         abandoned = time.time()
+        self.watcher.caught()
         # From here every wait is bounded; store calls over a slow link may each take
         # seconds and do not beat (2 s of delay: 13 s without a beat, killed as hung).
         self._keepalive()
@@ -258,6 +259,7 @@ class RecoveryController:
         """This rank cannot finish the step it is in (``reason``, e.g. "oom", now avoided):
         it tells the job, and every rank abandons the step and redoes it, in the same
         layout, as after a recovery."""
+        self.watcher.caught()
         record = AbandonRecord(rank=self.me, iteration=trainer.iteration + 1, reason=reason,
                                time=time.time())
         announce_abandon(self.job, record)

@@ -15,8 +15,10 @@ import collections
 import dataclasses
 import logging
 import statistics
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -272,12 +274,22 @@ class AbortWatcher:
     in the regroup itself is ``covered`` by the membership it produced. During a recovery
     attempt it also watches that attempt's retry key: a member whose attempt failed sets it,
     and the members still inside the attempt leave it; members already in a later attempt
-    watch another key and are not disturbed."""
+    watch another key and are not disturbed.
 
-    def __init__(self, job: JobStore, abort: Callable[[], int], period_s: float = 0.2) -> None:
+    Until the main thread reports that it ``caught`` the interruption (or acknowledges),
+    the watcher interrupts again every ``repeat_s``, and says once where the main thread is:
+    a rank still blocked in its step would otherwise be killed as hung at its next heartbeat
+    deadline, and a connection its peer closed first is shut down on the repeat too."""
+
+    def __init__(self, job: JobStore, abort: Callable[[], int], period_s: float = 0.2,
+                 repeat_s: float = 2.0) -> None:
         self._job = job
         self._abort = abort
         self._period = period_s
+        self._repeat_s = repeat_s
+        self._uncaught_since: float | None = None
+        """Monotonic time of the last interruption the main thread has not caught yet."""
+        self._repeats = 0
         self._seen = (0, 0)
         """(failures, abandoned steps) handled by the main thread."""
         self._retry_key: str | None = None
@@ -299,6 +311,13 @@ class AbortWatcher:
         with self._lock:
             self._seen = self._events()
             self._retry_key = retry_key
+            self._uncaught_since = None
+
+    def caught(self) -> None:
+        """The main thread has left its step with the interruption's error (or is handling
+        the events by itself): no repeat."""
+        with self._lock:
+            self._uncaught_since = None
 
     def covered(self, failures: int) -> None:
         """The first ``failures`` announced failures are handled too: the membership just
@@ -335,11 +354,34 @@ class AbortWatcher:
             events = self._events()
             new = any(now > seen for now, seen in zip(events, self._seen))
             retry = self._retry_key is not None and self._job.store.check([self._retry_key])
-            if not new and not retry:
+            now = time.monotonic()
+            repeat = not (new or retry) and self._uncaught_since is not None \
+                and now - self._uncaught_since >= self._repeat_s
+            if not (new or retry or repeat):
                 return
             n = self._abort()
-            self._seen = events
-            self._retry_key = None
-            self.aborted_at = time.time()
-        # Every rank does this; the job's record of the failure comes from the controller.
-        logger.debug("failure announced: interrupted %d communicators or connections", n)
+            if not repeat:
+                self._seen = events
+                self._retry_key = None
+                self.aborted_at = time.time()
+                self._repeats = 0
+            # nothing interrupted: nothing of this process was blocked (a spare, say)
+            self._uncaught_since = now if n or repeat else None
+        if repeat:
+            self._repeats += 1
+            self._say_uncaught(n)
+        else:  # every rank does this; the job's record comes from the controller
+            logger.debug("failure announced: interrupted %d communicators or connections", n)
+
+    def _say_uncaught(self, n: int) -> None:
+        """Where an interruption did not reach: a warning with the main thread's stack the
+        first time."""
+        if self._repeats > 1:
+            logger.debug("interrupted again (%d): %d communicators or connections",
+                         self._repeats, n)
+            return
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(unknown)\n"
+        logger.warning("the main thread has not caught an interruption after %.1f s: "
+                       "interrupted again (%d communicators or connections); it is at:\n%s",
+                       self._repeat_s, n, stack.rstrip())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -346,6 +347,50 @@ def test_a_failed_attempt_interrupts_its_own_generation_only() -> None:
     watcher._tick()
     watcher._tick()  # once per attempt
     assert calls == [1]
+
+
+def test_an_interruption_the_main_thread_has_not_caught_is_repeated_and_located(caplog) -> None:
+    """The main thread is still in its step ``repeat_s`` after an interruption that shut
+    something down: the watcher interrupts again, says once where the main thread is, and
+    stops repeating once the main thread reports it caught the error."""
+    j = job()
+    calls: list[int] = []
+    watcher = AbortWatcher(j, abort=lambda: calls.append(1) or 2, repeat_s=0.05)
+    announce(j, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
+    watcher._tick()
+    watcher._tick()  # too soon to repeat
+    assert calls == [1]
+    with caplog.at_level(logging.DEBUG, logger="chameleon_megatron"):
+        for _ in range(2):
+            time.sleep(0.06)
+            watcher._tick()
+    assert calls == [1, 1, 1]
+    located = [r for r in caplog.records if "has not caught an interruption" in r.getMessage()]
+    assert len(located) == 1 and __name__.split(".")[-1] in located[0].getMessage()
+    watcher.caught()
+    time.sleep(0.06)
+    watcher._tick()
+    assert calls == [1, 1, 1]
+
+
+def test_an_interruption_that_shut_nothing_or_was_acknowledged_is_not_repeated() -> None:
+    """A process with nothing to interrupt (a spare) is not blocked on a peer; a main thread
+    that acknowledged the events is handling them."""
+    j = job()
+    calls: list[int] = []
+    watcher = AbortWatcher(j, abort=lambda: calls.append(1) or 0, repeat_s=0.01)
+    announce(j, FailureRecord(rank=1, time=0.0, reason="exit", exitcode=1))
+    watcher._tick()
+    time.sleep(0.02)
+    watcher._tick()
+    assert calls == [1]
+    shutting = AbortWatcher(j, abort=lambda: calls.append(2) or 3, repeat_s=0.01)
+    announce(j, FailureRecord(rank=2, time=0.0, reason="exit", exitcode=1))
+    shutting._tick()
+    shutting.acknowledge()
+    time.sleep(0.02)
+    shutting._tick()
+    assert calls == [1, 2]
 
 
 def test_the_abort_watcher_survives_an_abort_that_raises() -> None:
