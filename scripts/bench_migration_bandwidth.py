@@ -14,6 +14,7 @@ Each is timed ``--repeat`` times; the medians are printed with migrate / limit. 
 
     python scripts/bench_migration_bandwidth.py                    # 16 64 256 1024 MiB
     python scripts/bench_migration_bandwidth.py --sizes-mib 256 --repeat 5
+    python scripts/bench_migration_bandwidth.py --built-on-read   # units rebuilt on each read
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ class Units:
         return sum(t.numel() * t.element_size() for d in self.state.values() for t in d.values())
 
 
+class BuiltOnRead(Units):
+    """Old state whose every read builds the unit anew (a copy of each tensor), as units
+    assembled from the distributed optimizer's shard copies are; the checks read specs."""
+
+    def specs(self, unit: int, kind: str) -> dict[str, tuple[list[int], str]]:
+        return {n: (list(t.shape), str(t.dtype)) for n, t in self.state[(unit, kind)].items()}
+
+    def tensors(self, unit: int, kind: str) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.state[(unit, kind)].items()}
+
+
 def unit_bytes(hidden: int) -> int:
     return Units(1, 0.0, hidden).nbytes
 
@@ -79,8 +91,8 @@ def limit_s(rank: int, nbytes: int) -> float:
 
 
 def migrate_s(rank: int, units: int, hidden: int, store: dist.Store,
-              trial: int) -> tuple[float, bool]:
-    old = Units(units, 1.0 if rank == 0 else 0.0, hidden)
+              trial: int, built: bool) -> tuple[float, bool]:
+    old = (BuiltOnRead if built else Units)(units, 1.0 if rank == 0 else 0.0, hidden)
     new = Units(units, 0.0, hidden)
     transfers = [Transfer(0, 1, u, kind, 0.0) for u in range(units)
                  for kind in ("params", "optimizer")]
@@ -94,7 +106,7 @@ def migrate_s(rank: int, units: int, hidden: int, store: dist.Store,
     return took, ok
 
 
-def worker(rank: int, port: int, sizes: list[int], repeat: int, hidden: int,
+def worker(rank: int, port: int, sizes: list[int], repeat: int, hidden: int, built: bool,
            out: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0,
@@ -107,7 +119,7 @@ def worker(rank: int, port: int, sizes: list[int], repeat: int, hidden: int,
         lim, mig = [], []
         for _ in range(repeat):
             lim.append(limit_s(rank, nbytes))
-            took, ok = migrate_s(rank, units, hidden, store, trial)
+            took, ok = migrate_s(rank, units, hidden, store, trial, built)
             trial += 1
             assert ok, "migrated state differs"
             mig.append(took)
@@ -122,12 +134,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=128,
                         help="H of the units' tensors (128: 2.25 MiB a unit)")
+    parser.add_argument("--built-on-read", action="store_true",
+                        help="the sender builds each unit when it reads it (assembled units)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out: mp.Queue = mp.get_context("spawn").Queue()
     port = 29000 + os.getpid() % 1000
-    mp.start_processes(worker, args=(port, args.sizes_mib, args.repeat, args.hidden, out), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(worker, args=(port, args.sizes_mib, args.repeat, args.hidden,
+                                     args.built_on_read, out), nprocs=2, start_method="spawn")
     print("| state | limit: contiguous send | migrate | migrate / limit |")
     print("|---|---|---|---|")
     while not out.empty():

@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 MAX_TENSORS_PER_TRANSFER = 4096
 """Message tags are transfer index x this + tensor index."""
-WAVE_BYTES = 64 * 2**20
-"""About this much of a migration is in flight at once (``waves``): beyond it, the units a
-rank rebuilds to send and the whole units a sink stages add up."""
+WAVE_BYTES = 32 * 2**20
+"""The size of a wave (``waves``); two are in flight at once, one moving while the next is
+read. Beyond that, the units a rank rebuilds to send and the whole units a sink stages add
+up."""
 
 
 class StateView(Protocol):
@@ -134,12 +135,26 @@ class _Exchange:
                 d.copy_(s)
             self.copied += d.numel() * d.element_size()
 
+    def take(self) -> _Posted:
+        """The operations posted since the last ``take``, to wait for later."""
+        posted = _Posted(self.works, self.unstage, self.mover)
+        self.works, self.unstage = [], []
+        return posted
+
+
+@dataclass(frozen=True)
+class _Posted:
+    """Operations of one wave: its sends and receives, and its staged receive buffers."""
+
+    works: list
+    unstage: list[tuple[torch.Tensor, torch.Tensor]]
+    mover: HostMover
+
     def wait(self) -> None:
-        """Every operation posted so far completed (what they held is let go)."""
+        """Every operation completed, received tensors in place (what they held goes)."""
         for work in self.works:
             work.wait()
         self.mover.to_device(self.unstage)
-        self.works, self.unstage = [], []
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -162,9 +177,10 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
     sender has checked what its receivers want (so a mismatch fails fast, before anyone waits
     on a message that will not come), and after every transfer completed. ``store`` must be
     private to this migration; a wait there ends early once ``abandoned()`` (the recovery
-    attempt is over). The transfers move in ``waves`` of about ``wave_bytes``: a sender reads
-    each unit just before its wave (assembled units are built then), and a receiver that can
-    ``settle`` a unit does so when its wave has landed.
+    attempt is over). The transfers move in ``waves`` of about ``wave_bytes``, two in
+    flight: a sender reads each unit just before its wave (assembled units are built then)
+    while the wave before moves, and a receiver that can ``settle`` a unit does so when its
+    wave has landed.
     """
     start = time.perf_counter()
     _confirm(group, None, "start")
@@ -183,19 +199,31 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
         error = exc
     _confirm(group, error, "checking")
     try:
-        settle = getattr(new, "settle", None)
+        landing: tuple[range, _Posted] | None = None
         for wave in waves(wants, wave_bytes):
             for idx in wave:
                 _post(ex, idx, transfers[idx], wants[idx], old, new)
-            ex.wait()
-            for idx in wave:
-                if settle is not None and transfers[idx].dst == me:
-                    settle(transfers[idx].layer, transfers[idx].kind)
+            posted = ex.take()
+            if landing is not None:  # the previous wave moves while this one was read
+                _land(*landing, transfers, me, new)
+            landing = (wave, posted)
+        if landing is not None:
+            _land(*landing, transfers, me, new)
     except Exception as exc:  # noqa: BLE001
         error = exc
     _confirm(group, error, "transfer")
     return MigrationReport(sent_bytes=ex.sent, received_bytes=ex.received,
                            copied_bytes=ex.copied, seconds=time.perf_counter() - start)
+
+
+def _land(wave: range, posted: _Posted, transfers: Sequence[Transfer], me: int,
+          new: StateView) -> None:
+    """Wait for ``wave``'s operations, then settle the units this rank received in it."""
+    posted.wait()
+    settle = getattr(new, "settle", None)
+    for idx in wave:
+        if settle is not None and transfers[idx].dst == me:
+            settle(transfers[idx].layer, transfers[idx].kind)
 
 
 def _post(ex: _Exchange, idx: int, t: Transfer, want: list, old: StateView,
