@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 CHILD = """
-import os, socket, sys
+import os, socket, sys, time
 from chameleon_megatron.megatron import transport
 
 def state(sock):
@@ -32,8 +32,10 @@ with socket.create_server(("127.0.0.1", 0)) as listener, \\
     ends = [listener.accept()[0] for _ in range(2)]
     kept_end = kept_listener.accept()[0]
     ends[1].close()  # the peer closes first: this end is left in CLOSE_WAIT
+    deadline = time.monotonic() + 10
     while state(closed_by_peer) != "08":
-        pass
+        assert time.monotonic() < deadline, "the peer's close never arrived"
+        time.sleep(0.01)
     n = transport.close_connections({kept_port})
     # the open end, its peer end, the end the peer closed first; not the kept port's two
     print(n, state(closed_by_peer), open_.recv(1), kept.getsockopt(socket.SOL_SOCKET,
