@@ -126,6 +126,10 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
         if value != getattr(ResilienceConfig(), name):
             raise ConfigError(f"ft.{name}={value!r}: Megatron-LM's pretrain_gpt.py admits no "
                               "new members into a running job; use chameleon-pretrain-gpt")
+    if ft.strategy == "reroute":  # rerouting runs on the plan runtime
+        raise ConfigError(f"ft.strategy='reroute': {PLANS_REFUSED}, so every recovery "
+                          "re-plans to one; use chameleon-pretrain-gpt to reroute, or "
+                          "--chameleon-ft-strategy adaptive or replan")
     refused = first_refused(ft_limits(margs))
     if refused is not None:
         raise ConfigError(f"--chameleon-ft: {refused}")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 
 Limits = list[tuple[bool, str]]
-VPP_REFUSED = "interleaved pipelines (virtual stages) are not recovered yet"
+VPP_REFUSED = ("interleaved pipelines (virtual stages): the decision center plans one "
+               "contiguous run of layers per pipeline stage")
 RAMPUP_REFUSED = "--rampup-batch-size: the decision center plans for one global batch size"
 """Why recovery refuses these on both entries (``recovery/plugin.check_recoverable`` says
 the same on chameleon's trainer)."""

@@ -18,6 +18,7 @@ are then skipped (``skips_end_of_job``), so a failure there is recovered like on
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -75,11 +76,14 @@ class LMLoop(LoopPosition):
                  *, setup: Callable[..., Any], build_iterators: Callable[..., Any],
                  announce: Callable[[TrainContext], None],
                  emit: Callable[[dict[str, Any]], None],
-                 new_world: Callable[[int], None]) -> None:
+                 new_world: Callable[[int], None],
+                 set_args: Callable[[Any], None] | None = None) -> None:
         """``setup`` and ``build_iterators``: Megatron-LM's originals (not the hook's);
         ``announce`` shows a rebuilt model to the plugins, ``emit`` writes a record,
-        ``new_world(rank)`` tells the metrics file who its rank 0 is."""
+        ``new_world(rank)`` tells the metrics file who its rank 0 is; ``set_args`` installs
+        Megatron-LM's global arguments (``global_vars.set_args`` unless given)."""
         self._training = training
+        self._set_args = set_args or _megatron_set_args
         self.plugins = plugins
         self.providers = providers
         self._setup = setup
@@ -408,17 +412,8 @@ class LMLoop(LoopPosition):
         layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                   "transformer_pipeline_model_parallel_size": pp, "world_size": world_size,
                   "rank": rank, "data_parallel_size": world_size // (tp * pp)}
-        standing = {name: getattr(args, name, None) for name in layout}
-        # setup_model_and_optimizer reads the global arguments: they describe the new layout
-        # while it runs, and the standing one again if it fails.
-        vars(args).update(layout)
-        try:
-            _reconfigure_microbatches(args)
-            built = self._setup_without_load(args)
-        except BaseException:
-            vars(args).update(standing)
-            _reconfigure_microbatches(args)
-            raise
+        with self._arguments_for(layout) as staged:
+            built = self._setup_without_load(staged)
         self.built(*built)
         for cached in ("save_strategy", "load_strategy"):  # made for the old groups
             self._checkpointing.pop(cached, None)
@@ -426,6 +421,27 @@ class LMLoop(LoopPosition):
         self._new_world(rank)
         self._changes += 1
         self._announce(self.context())
+
+    @contextlib.contextmanager
+    def _arguments_for(self, layout: dict[str, int]) -> Iterator[Any]:
+        """Megatron-LM's global arguments, while the body builds, as a copy stating
+        ``layout`` (setup_model_and_optimizer reads them, and so does the microbatch
+        calculator). The standing arguments (pretrain() holds them) take the copy's values
+        only once the body succeeded; a failure (say, out of memory) leaves them untouched
+        and the microbatch calculator as they state it."""
+        standing = self._training.get_args()
+        staged = copy.copy(standing)
+        vars(staged).update(layout)
+        self._set_args(staged)
+        try:
+            _reconfigure_microbatches(staged)
+            yield staged
+        except BaseException:
+            _reconfigure_microbatches(standing)
+            raise
+        finally:
+            self._set_args(standing)
+        vars(standing).update(vars(staged))
 
     def _setup_without_load(self, args: Any) -> tuple[Any, Any, Any]:
         """Megatron-LM's ``setup_model_and_optimizer`` with nothing loaded from a checkpoint
@@ -505,6 +521,12 @@ def _reset_rerun_state() -> None:
     from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
     get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
+
+
+def _megatron_set_args(args: Any) -> None:
+    from megatron.training.global_vars import set_args
+
+    set_args(args)
 
 
 def _reconfigure_microbatches(args: Any) -> None:

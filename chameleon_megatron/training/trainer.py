@@ -80,7 +80,7 @@ class Trainer(LoopPosition):
         groups.build_uniform(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                              vpp=args.virtual_pipeline_model_parallel_size, timeout_s=timeout_s)
         distributed.seed_everything(args.seed)
-        self._build()
+        self._build(args)
         self.datasets = data.build_datasets(args)
         if args.load:
             self.load(args.load)
@@ -88,17 +88,17 @@ class Trainer(LoopPosition):
         self._log_start()
         self.metrics.write(run_record(self.env.world_size, args, version("megatron-core")))
 
-    def _build(self) -> None:
-        """Model chunks, DDP, optimizer and LR schedule for the current parallel state."""
-        args = self.args
+    def _build(self, args: argparse.Namespace) -> None:
+        """Model chunks, DDP, optimizer and LR schedule for the current parallel state, kept
+        only once all are built."""
         kernels = model_lib.available_kernels()
         config = model_lib.transformer_config(args, kernels)
-        chunks = model_lib.build_model_chunks(args, config, kernels)
-        self.model = model_lib.wrap_ddp(args, config, chunks)
-        self.optimizer = build_optimizer(args, self.model)
-        self.scheduler = build_scheduler(args, self.optimizer)
-        configure_schedule(config, self.model, self.optimizer, args.overlap_grad_reduce)
-        self.engine = MegatronEngine(args, config, self.model, self.optimizer, self.device)
+        model = model_lib.wrap_ddp(args, config, model_lib.build_model_chunks(args, config, kernels))
+        optimizer = build_optimizer(args, model)
+        scheduler = build_scheduler(args, optimizer)
+        configure_schedule(config, model, optimizer, args.overlap_grad_reduce)
+        self.engine = MegatronEngine(args, config, model, optimizer, self.device)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
 
     def _log_start(self) -> None:
         """The start-up line (rank 0), parameters summed over the model-parallel ranks."""
@@ -134,14 +134,15 @@ class Trainer(LoopPosition):
         (``chameleon_megatron.megatron.groups``); this neither creates groups nor re-seeds.
         State (weights, optimizer, schedule step, data position) is the caller's to move in.
         Raises ConfigError, before touching anything, if the layout does not fit the model.
-        ``hints`` reach the plugins with the new model (``TrainContext.extra``).
+        The arguments state the new layout once the build succeeded (as Megatron-LM's loop's
+        do). ``hints`` reach the plugins with the new model (``TrainContext.extra``).
         """
         args = copy.copy(self.args)
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
         validate_args(args, world_size)
+        self._build(args)
         self.args = args
         self._new_world(rank, world_size, hints)
-        self._build()
         self._announce_model()
 
     def use_engine(self, engine: StepEngine, *, rank: int, world_size: int,

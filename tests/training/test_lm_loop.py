@@ -254,9 +254,10 @@ def _layout_args(fake: Megatron, **layout: int) -> None:
 
 @pytest.mark.parametrize("setup_fails", [False, True])
 def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails: bool):
-    """setup_model_and_optimizer reads the global arguments, so they state the new layout
-    while it runs; a rebuild that fails there (say, out of memory) leaves the arguments and
-    the microbatch count of the layout that still stands."""
+    """setup_model_and_optimizer reads the global arguments, so a copy stating the new
+    layout is installed while it runs; the arguments pretrain() holds take its values only
+    once it succeeded. A rebuild that fails there (say, out of memory) leaves them, and the
+    microbatch count, as the layout that still stands states them."""
     from megatron.core.num_microbatches_calculator import (
         get_num_microbatches, init_num_microbatches_calculator,
         unset_num_microbatches_calculator,
@@ -267,12 +268,14 @@ def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails:
                     transformer_pipeline_model_parallel_size=2, world_size=8, rank=5,
                     data_parallel_size=4)
     _layout_args(fake, **standing)
+    held = fake.args  # what pretrain() holds
     seen = []
 
     def setup(model_provider, model_type):
         a = fake.args
         seen.append((a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                      a.data_parallel_size, get_num_microbatches(), a.load))
+        assert a is not held and {name: getattr(held, name) for name in standing} == standing
         if setup_fails:
             raise torch.OutOfMemoryError("no room for the new layout")
         return [model], "optimizer", Scheduler()
@@ -286,7 +289,8 @@ def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails:
     fake.args.virtual_pipeline_model_parallel_size = None
     loop = LMLoop(fake, [], Providers("datasets", "model", "type"), setup=setup,
                   build_iterators=fake.build_iterators, announce=lambda ctx: None,
-                  emit=lambda rec: None, new_world=lambda rank: None)
+                  emit=lambda rec: None, new_world=lambda rank: None,
+                  set_args=lambda args: setattr(fake, "args", args))
     init_num_microbatches_calculator(5, None, 16, 2, 4, False)
     try:
         if setup_fails:
@@ -295,7 +299,8 @@ def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails:
         else:
             loop.rebuild(tp=1, pp=2, rank=3, world_size=4)
         assert seen == [(1, 2, 2, 4, None)]  # the new layout, nothing loaded from --load
-        now = {name: getattr(fake.args, name) for name in standing}
+        assert fake.args is held
+        now = {name: getattr(held, name) for name in standing}
         if setup_fails:
             assert now == standing and get_num_microbatches() == 2
         else:

@@ -1,0 +1,60 @@
+"""``Trainer.rebuild`` keeps nothing of a layout it failed to build: the arguments, model,
+optimizer and schedule stay as they were (as ``LMLoop.rebuild`` leaves Megatron-LM's global
+arguments), so the recovery that called it can try again or give up cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chameleon_megatron.config import build_config
+from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.platform import CpuPlatform
+from chameleon_megatron.training import trainer as trainer_module
+from chameleon_megatron.training.arguments import parse_args
+from chameleon_megatron.training.env import DistEnv
+from chameleon_megatron.training.trainer import Trainer
+from chameleon_megatron.training.validate import validate_args
+
+pytestmark = pytest.mark.timeout(120)
+
+ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "4", "--mock-data", "--vocab-size", "64", "--lr", "1e-2",
+        "--log-interval", "100"]
+
+
+@pytest.fixture
+def trainer():
+    args = parse_args(ARGS)
+    validate_args(args, 1)
+    platform = CpuPlatform()
+    platform.apply()
+    run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
+    try:
+        run.setup()
+        yield run
+    finally:
+        run.close()
+        groups.destroy()
+        platform.remove()
+
+
+def test_a_failed_rebuild_keeps_nothing_and_a_later_one_trains(trainer, monkeypatch) -> None:
+    trainer.train_one()
+    args = trainer.args
+    trainer.drop_layout()
+
+    def no_room(*_, **__):
+        raise torch.OutOfMemoryError("no room for the new layout's optimizer")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer_module, "build_optimizer", no_room)
+        with pytest.raises(torch.OutOfMemoryError):
+            trainer.rebuild(tp=1, pp=1, rank=0, world_size=1)
+    assert trainer.args is args  # the arguments of the layout that still stands
+    assert not {"model", "optimizer", "scheduler", "engine"} & set(vars(trainer))
+
+    trainer.rebuild(tp=1, pp=1, rank=0, world_size=1)
+    assert trainer.args is not args and trainer.args.tensor_model_parallel_size == 1
+    assert torch.isfinite(torch.tensor(trainer.train_one()["loss"]))
