@@ -20,6 +20,8 @@ grows), so a reader sees which phase grows with the state:
 
     python scripts/bench_recovery_phases.py --nproc 4 8 --moments steady \
         --params 10M 100M 300M --optimizer replicated distributed
+    python scripts/bench_recovery_phases.py --nproc 8 --moments steady --pp 4 \
+        --params 300M --optimizer replicated distributed   # 300 M on 8 ranks in 24 GiB
 
 ``--strategy`` forces the decision center's choice (adaptive: its score picks); the row
 says what ran (``layout_after.mode``: rerouting, a heterogeneous plan or a megatron layout;
@@ -55,12 +57,12 @@ MOMENTS = {"start-up": 2, "steady": 12}
 
 
 def one(tmp: Path, nproc: int, at: int, iters: int, timeout_s: float,
-        extra: list[str]) -> tuple[dict[str, float], str]:
+        extra: list[str], pp: int = 2) -> tuple[dict[str, float], str]:
     """(phases of the recovery record with its migrated MiB, what ran after it)."""
     victim = nproc - 1
     fault = f"rank={victim},iteration={at},phase=backward,kind=exit"
     recs = train(tmp, f"n{nproc}-at{at}", nproc,
-                 ["--pipeline-model-parallel-size", "2", "--chameleon-ft",
+                 ["--pipeline-model-parallel-size", str(pp), "--chameleon-ft",
                   "--chameleon-inject-fault", fault, *extra], iters, ft=True,
                  timeout_s=timeout_s)
     rec = next(r for r in recs if r["event"] == "recovery")
@@ -81,6 +83,8 @@ def main() -> int:
                         choices=["replicated", "distributed"])
     parser.add_argument("--params", nargs="+", default=["bench"], choices=list(SIZES),
                         help="model sizes (other than bench: seq 32, micro 1, global 8)")
+    parser.add_argument("--pp", type=int, default=2,
+                        help="pipeline depth (4 fits 300 M on 8 ranks in 24 GiB)")
     args = parser.parse_args()
     rows = []
     load_before = os.getloadavg()[0]
@@ -95,19 +99,19 @@ def main() -> int:
                 extra += ["--use-distributed-optimizer",
                           "--chameleon-ft-shard-replica-interval", "1"]
             runs = [one(Path(tempfile.mkdtemp(dir=tmp)), nproc, at, args.iters, args.timeout,
-                        extra) for _ in range(args.repeat)]
-            row = {"params": size, "ranks": nproc, "failure": f"{moment} (step {at})", "strategy": strategy,
+                        extra, args.pp) for _ in range(args.repeat)]
+            row = {"params": size, "ranks": nproc, "pp": args.pp, "failure": f"{moment} (step {at})", "strategy": strategy,
                    "precision": precision, "optimizer": optimizer,
                    "ran": "/".join(sorted({m for _, m in runs})),
                    **{p: round(statistics.median(r[p] for r, _ in runs), 3)
                       for p in (*PHASES, "MiB")}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| params | ranks | failure | strategy | precision | optimizer | ran | "
+    print(f"\n| params | ranks | pp | failure | strategy | precision | optimizer | ran | "
           f"{' | '.join(PHASES)} (s) | migrated MiB |")
-    print("|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
+    print("|---|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
     for row in rows:
-        print(f"| {row['params']} | {row['ranks']} | {row['failure']} | {row['strategy']} | {row['precision']} | "
+        print(f"| {row['params']} | {row['ranks']} | {row['pp']} | {row['failure']} | {row['strategy']} | {row['precision']} | "
               f"{row['optimizer']} | {row['ran']} | "
               + " | ".join(f"{row[p]:.2f}" for p in PHASES) + f" | {row['MiB']:.0f} |")
     print(f"\nload average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")

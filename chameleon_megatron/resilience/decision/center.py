@@ -216,7 +216,9 @@ class DecisionCandidates:
 
 
 def make_planner(profile: Profile, *, uniform: bool, time_limit_s: float | None) -> Planner:
-    return Planner(profile, SearchOptions(uniform=uniform, time_limit_s=time_limit_s))
+    """A recovery's planner: its layouts keep a copy of every stage's state where one fits."""
+    return Planner(profile, SearchOptions(uniform=uniform, replicated=True,
+                                          time_limit_s=time_limit_s))
 
 
 def decision_candidates(current: Plan, *, alive: Iterable[int], stale: Iterable[int],

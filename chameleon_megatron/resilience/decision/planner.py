@@ -56,6 +56,11 @@ class SearchOptions:
     """Most TP groups left without a slot; None: no limit."""
     uniform: bool = False
     """Only plans megatron runs natively: equal depths, equal splits, equal microbatches."""
+    replicated: bool = False
+    """Prefer plans of two or more pipelines (every stage's state then has a copy that
+    survives the next failure), however much faster one pipeline would be; one pipeline
+    only when no such plan fits (a recovery's layout: a single pipeline leaves the job one
+    failure from losing its state)."""
     time_limit_s: float | None = None
     """Stop and return the best plan so far after this long; None: search to the end."""
 
@@ -159,8 +164,12 @@ class Planner:
         M = global_microbatches or self.profile.global_microbatches
         if (num_units, M) in self._results:
             return self._results[(num_units, M)]
-        run = _Search(self, num_units, M)
+        fewest = self.options.min_pipelines
+        run = _Search(self, num_units, M, max(fewest, 2) if self.options.replicated else fewest)
         run.execute()
+        if run.best_shape is None and not run.timed_out and run.min_pipes > fewest:
+            run = _Search(self, num_units, M, fewest)  # nothing replicated fits
+            run.execute()
         shape = run.best_shape
         elapsed = time.perf_counter() - run.started
         reason = "ok" if shape else (
@@ -178,11 +187,12 @@ class Planner:
 class _Search:
     """One search: state of the branch-and-bound (kept out of Planner so it is reentrant)."""
 
-    def __init__(self, planner: Planner, n: int, M: int) -> None:
+    def __init__(self, planner: Planner, n: int, M: int, min_pipes: int) -> None:
         self.p = planner
         self.n, self.M = n, M
         opts = planner.options
         self.opts = opts
+        self.min_pipes = min_pipes
         self.max_depth = min(opts.max_depth or planner.profile.num_layers, n)
         self.max_pipes = min(opts.max_pipelines or n, M)
         self.best = math.inf
@@ -224,7 +234,7 @@ class _Search:
     def _uniform(self, D: int) -> None:
         for d in range(self.opts.min_depth, self.max_depth + 1):
             P = D // d
-            if D % d or not self.opts.min_pipelines <= P <= self.max_pipes or self.M % P:
+            if D % d or not self.min_pipes <= P <= self.max_pipes or self.M % P:
                 continue
             front = self.p.front(d, self.M // P, self._below(), self._deadline())
             for beta, t, split in zip(front.betas, front.times, front.splits):
@@ -259,7 +269,7 @@ class _Search:
             if self._out_of_time():
                 return
             if rem == 0:
-                if pipes >= self.opts.min_pipelines:
+                if pipes >= self.min_pipes:
                     self._score([(u, c) for u, c in zip(usable, counts) if c])
                 return
             if i == len(usable) or not reach[i][rem]:

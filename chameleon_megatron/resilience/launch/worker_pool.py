@@ -217,7 +217,7 @@ class WorkerPool:
         """Announce a failed worker and schedule its restart while the budget lasts."""
         if announce(self._job, record):
             logger.error("worker failed: %s", record.to_json())
-        if self._respawns_left > 0 and not self._job.is_done():
+        if self._respawns_left > 0 and not self._ended():
             self._respawns_left -= 1
             self._restarts.append((record.time + self._ft.respawn_delay_s, member))
 
@@ -225,11 +225,19 @@ class WorkerPool:
         due = [failed for when, failed in self._restarts if when <= now]
         self._restarts = [(when, failed) for when, failed in self._restarts if when > now]
         for failed in due:
-            if self._job.is_done():
+            why = self._ended()
+            if why:
                 logger.info({"event": "respawn_skipped", "failed_rank": failed.rank,
-                             "why": "job done"})
+                             "why": why})
                 continue
             self.spawn(failed.slot, now, replaces=failed.rank)
+
+    def _ended(self) -> str:
+        """Why no worker is restarted any more ("": it still is)."""
+        if self._job.is_done():
+            return "job done"
+        failure = self._job.failure()
+        return f"job failed: {failure}" if failure is not None else ""
 
 
 def _append(path: str) -> IO[str] | None:

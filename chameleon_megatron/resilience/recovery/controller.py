@@ -24,6 +24,7 @@ rebuild, transfers) are driven from here and nowhere else: the leader's decision
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -286,13 +287,17 @@ class RecoveryController:
 
     def _serve(self, trainer: TrainerHandle, held: Held, started: float,
                timeouts: Timeouts) -> StepAction:
-        """Recover into the next layout; a spare waits for a later generation (or the end)."""
+        """Recover into the next layout; a spare waits for a later generation (or the end).
+        A recovery that fails ends the job (``_job_failed``)."""
         self._steady_peaks = memory_peak.take()
         while True:
             try:
                 recovered = self._recover(trainer, held, timeouts, started)
             except DeclaredFailed as exc:
                 leave_declared_failed(exc, self.me)
+            except RecoveryFailed as failed:
+                self._job_failed(failed)
+                raise
             if recovered:
                 return "redo"
             if wait_as_spare(self.job, self.generation, active=self.active,
@@ -360,6 +365,9 @@ class RecoveryController:
         """This process joins the running job: wait to be invited, then recover into the
         generation that admits it (holding nothing); "stop" when the job ends first."""
         generation = self.joiners.wait_for_invitation(self.me, on_wait=self.detector.beat)
+        failure = self.job.failure()
+        if generation is None and failure is not None:
+            raise RecoveryFailed(f"rank {self.me} was not admitted: the job failed ({failure})")
         if generation is None:
             return "stop"
         self.generation = generation - 1
@@ -372,6 +380,13 @@ class RecoveryController:
         timeouts = dataclasses.replace(self.detector.timeouts,
                                        rendezvous_s=expected_window(self.job, generation))
         return self._serve(trainer, Held.nothing(), time.time(), timeouts)
+
+    def _job_failed(self, failed: RecoveryFailed) -> None:
+        """Tell the job it cannot go on, so that nobody waits to join it or restarts a worker
+        into it (every member raises ``failed``; the first says why)."""
+        with contextlib.suppress(dist.DistStoreError, dist.DistNetworkError, RuntimeError):
+            if self.job.failure() is None:
+                self.job.mark_failed(str(failed))
 
     def metrics(self) -> dict[str, Any]:
         out = {"generation": self.generation, "estimated_step_s": self.estimated_step_s}

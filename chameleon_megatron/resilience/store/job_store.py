@@ -58,3 +58,12 @@ class JobStore:
 
     def is_done(self) -> bool:
         return self.store.check(["done"])
+
+    def mark_failed(self, reason: str) -> None:
+        """The job cannot go on (a recovery failed on its members): nobody is restarted or
+        admitted any more, and a joiner still waiting leaves with ``reason``."""
+        self.store.set("failed", reason)
+
+    def failure(self) -> str | None:
+        """Why the job cannot go on (``mark_failed``); None while it can."""
+        return self.store.get("failed").decode() if self.store.check(["failed"]) else None

@@ -59,12 +59,12 @@ class JoinQueue:
     def wait_for_invitation(self, rank: int, *, on_wait: Callable[[], None],
                             poll_s: float = 0.2) -> int | None:
         """Queue ``rank`` and wait: the generation that admits it, or None when the job
-        finished first."""
+        finished first or cannot go on (``JobStore.failure``)."""
         self.enqueue(rank)
         while True:
             if self.job.store.check([f"join/gen/{rank}"]):
                 return int(self.job.store.get(f"join/gen/{rank}"))
-            if self.job.is_done():
+            if self.job.is_done() or self.job.failure() is not None:
                 return None
             on_wait()
             time.sleep(poll_s)

@@ -98,3 +98,16 @@ def test_a_cancelled_build_gives_nothing_and_an_incomplete_search_is_left_out() 
     assert len(calls) == 3  # checked before each entry
     hurried = build_cache(dataclasses.replace(ins, time_limit_s=0.0), failures)
     assert hurried.entries == {}
+
+
+def test_a_recovery_layout_keeps_a_copy_of_every_stage_for_the_next_failure() -> None:
+    """The 8-rank job of bench_vs_restart (PP2 x DP4, a rank lost, its replacement joining)
+    grew into one pipeline of depth 8, the fastest plan with a slow gradient sync, and the
+    next failure found no surviving copy of its stage: a recovery keeps two pipelines."""
+    profile = make_profile(8, gbs=4, ar_bw=1e-3, transfer_bw=1e9)
+    plan = UniformLayout(tp=1, pp=2, dp=4).to_plan(8, 4)
+    for alive, stale in ((range(7), ()), (range(8), (7,))):  # a failure, then the join
+        for plans in (None, "megatron layouts only"):
+            decision = decide(plan, alive=list(alive), stale=stale, profile=profile, d_s=1e4,
+                              plans=plans)
+            assert len(decision.plan.pipelines) >= 2, (alive, plans, decision.plan.describe())

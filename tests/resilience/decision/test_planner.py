@@ -242,3 +242,19 @@ def test_the_split_search_times_few_of_a_long_pipelines_splits(L, d, m, most, mo
     front = Planner(profile).front(d, m)
     assert front.times[-1] == pytest.approx(every_split_time(profile, d, m), rel=1e-12)
     assert sum(timed) <= most
+
+
+def test_a_replicated_search_keeps_two_pipelines_unless_only_one_fits():
+    """A recovery's layout keeps a copy of every stage's state for the next failure: with
+    a slow gradient sync one deep pipeline is fastest, and a replicated search still picks
+    two or more; it takes one pipeline only when nothing else fits memory."""
+    slow_sync = make_profile(8, gbs=4, ar_bw=1e-3)
+    fastest = Planner(slow_sync).search(8)
+    assert len(fastest.pipelines) == 1  # what the search would pick unreplicated
+    replicated = Planner(slow_sync, SearchOptions(replicated=True)).search(8)
+    assert len(replicated.pipelines) >= 2 and replicated.t_step_s > fastest.t_step_s
+    uniform = Planner(slow_sync, SearchOptions(replicated=True, uniform=True)).search(8)
+    assert len(uniform.pipelines) >= 2
+    one_layer_stages = make_profile(4, gbs=4, memory=8.0)  # only one-layer stages fit
+    only = Planner(one_layer_stages, SearchOptions(replicated=True)).search(4)
+    assert [p.depth for p in only.pipelines] == [4]

@@ -20,6 +20,7 @@ from chameleon_megatron.resilience.store.announce import FailureRecord, announce
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.controller import RecoveryController, RecoveryFailed
 from chameleon_megatron.resilience.recovery.detector import FailureDetector, StepTimer, Timeouts
+from chameleon_megatron.resilience.recovery.held import Held
 from chameleon_megatron.resilience.recovery.faults import FaultInjector, InjectedFault
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.decision.layout import Pipeline, Plan, Stage, UniformLayout
@@ -39,8 +40,10 @@ pytestmark = pytest.mark.timeout(30)
 
 DP2_PP2 = uniform_plan(UniformLayout(tp=1, pp=2, dp=2), [0, 1, 2, 3], 4, 8)
 """Ranks 0, 1 hold stage 0 (layers 0-1 + embedding), ranks 2, 3 stage 1 (layers 2-3 + output)."""
-DEEP = make_profile(4, ar_bw=1e-3)
-"""All-reduce is ruinous: one pipeline, as deep as possible, wins."""
+DEEP = make_profile(4, ar_bw=1e-3, memory=16.0)
+"""All-reduce is ruinous, and a stage holds at most two layers: one pipeline of depth 2 is
+the only layout of two ranks (a recovery takes one pipeline only when nothing replicated
+fits)."""
 WIDE = make_profile(4, ar_bw=1e12)
 """Free links: as many depth-1 pipelines as divide the batch win."""
 UNIFORM = "tp=2: plans execute with tensor parallelism 1 only"
@@ -87,9 +90,9 @@ def test_rng_comes_from_a_holder_of_the_first_layer_of_the_new_stage() -> None:
 
 
 def test_state_stays_in_place_when_the_new_layout_allows_it() -> None:
-    """Rank 3 died, rank 1 is stale. DEEP: PP2 x DP1 (54 s) beats PP1 x DP2 (48 s plus a
-    4000 s all-reduce) and PP1 (96 s); stage 0 goes to rank 0, which holds it, stage 1 to
-    rank 2: only local copies from the old model into the rebuilt one."""
+    """Rank 3 died, rank 1 is stale. DEEP: PP2 x DP1 (54 s) is the only layout that fits
+    (PP1 x DP2 would hold four layers per rank); stage 0 goes to rank 0, which holds it,
+    stage 1 to rank 2: only local copies from the old model into the rebuilt one."""
     d = decide(DP2_PP2, alive=[0, 1, 2], stale=[1], profile=DEEP, d_s=1e6, plans=UNIFORM)
     assert d.mode == "megatron"
     assert (d.layout, d.active, d.spares) == (UniformLayout(1, 2, 1), (0, 2), (1,))
@@ -392,6 +395,33 @@ def test_a_joiner_knows_the_failures_before_its_invitation() -> None:
         (controller.known_failed, timeouts.rendezvous_s))
     controller.join(SimpleNamespace())
     assert served == [(frozenset({2, 7}), 20.0)]
+
+
+def test_a_failed_recovery_ends_the_job_for_joiners_and_restarts() -> None:
+    """Every survivor raises RecoveryFailed (here: state with no surviving copy and no
+    checkpoint); the job says so, and a restarted worker waiting to join leaves with the
+    reason instead of waiting for an invitation nobody will send (the 8-rank vs-restart
+    bench hung on two such joiners)."""
+    job = JobStore(dist.HashStore(), "run")
+    ft = ResilienceConfig()
+    survivor = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
+                                  injector=FaultInjector(0), ft=ft, me=0, plan=DP2_PP2,
+                                  backend="gloo")
+
+    def lost(*_):
+        raise RecoveryFailed("some state has no surviving copy")
+
+    survivor._recover = lost
+    with pytest.raises(RecoveryFailed):
+        survivor._serve(SimpleNamespace(), Held.nothing(), time.time(),
+                        Timeouts(pg_s=1.0, heartbeat_s=1.0, rendezvous_s=1.0))
+    assert job.failure() == "some state has no surviving copy"
+    joiner = RecoveryController(job=job, detector=FailureDetector(job, 9, ft),
+                                injector=FaultInjector(9), ft=ft, me=9, plan=None,
+                                backend="gloo")
+    with pytest.raises(RecoveryFailed, match="rank 9 was not admitted: the job failed "
+                                             r"\(some state has no surviving copy\)"):
+        joiner.join(SimpleNamespace())
 
 
 def test_a_rank_suspected_in_the_regroup_leaves_the_attempt_uninterrupted() -> None:

@@ -73,3 +73,11 @@ def test_an_offer_belongs_to_its_generation() -> None:
     assert queue.offered(3) == (4,)
     assert queue.offered(4) == (5, 6)
     assert JoinQueue(job).offered(3) == (4,)
+
+
+def test_a_joiner_stops_waiting_once_the_job_failed() -> None:
+    job = JobStore(dist.HashStore(), "run")
+    assert job.failure() is None
+    job.mark_failed("some state has no surviving copy")
+    assert JoinQueue(job).wait_for_invitation(8, on_wait=lambda: None, poll_s=0.01) is None
+    assert job.failure() == "some state has no surviving copy" and not job.is_done()
