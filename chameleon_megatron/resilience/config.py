@@ -22,6 +22,8 @@ class ResilienceConfig:
     """Prior estimate of the mean time between failures of the job, in seconds."""
     strategy: Literal["adaptive", "reroute", "replan"] = "adaptive"
     """Recovery strategy: pick by score (adaptive) or force one."""
+    keep_replicas: bool = True
+    """A re-plan keeps two or more pipelines where such a layout fits memory, so that every stage's state has a copy when the next failure comes (one pipeline leaves only the checkpoint); false: the fastest layout, even a single pipeline."""
     inject_fault: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"flag": "--chameleon-inject-fault"}
     )

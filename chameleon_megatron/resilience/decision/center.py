@@ -215,16 +215,19 @@ class DecisionCandidates:
     replan: Candidate
 
 
-def make_planner(profile: Profile, *, uniform: bool, time_limit_s: float | None) -> Planner:
-    """A recovery's planner: its layouts keep a copy of every stage's state where one fits."""
-    return Planner(profile, SearchOptions(uniform=uniform, replicated=True,
+def make_planner(profile: Profile, *, uniform: bool, time_limit_s: float | None,
+                 replicated: bool = True) -> Planner:
+    """A recovery's planner; ``replicated``: its layouts keep a copy of every stage's state
+    where one fits (``ft.keep_replicas``)."""
+    return Planner(profile, SearchOptions(uniform=uniform, replicated=replicated,
                                           time_limit_s=time_limit_s))
 
 
 def decision_candidates(current: Plan, *, alive: Iterable[int], stale: Iterable[int],
                         profile: Profile, time_limit_s: float | None = 2.0,
                         plans: str | None = None,
-                        planners: tuple[Planner, Planner] | None = None) -> DecisionCandidates:
+                        planners: tuple[Planner, Planner] | None = None,
+                        replicated: bool = True) -> DecisionCandidates:
     """The rerouting and re-plan candidates ``decide`` scores for the survivors ``alive``.
     ``planners``: (the one for ``plans``, the uniform one), shared between calls on the
     same profile so that their searches share work (default: new ones)."""
@@ -232,13 +235,13 @@ def decision_candidates(current: Plan, *, alive: Iterable[int], stale: Iterable[
     dead = set(current.ranks()) - alive_set
     holdings = _holdings(current, alive_set, stale_set)
     planner = planners[0] if planners else make_planner(
-        profile, uniform=plans is not None, time_limit_s=time_limit_s)
+        profile, uniform=plans is not None, time_limit_s=time_limit_s, replicated=replicated)
     reroute = reroute_candidate(current, dead, planner)
     replan = replan_candidate(holdings, recovery_units(current, alive_set), planner)
     if replan.restore is not None and replan.restore.unrecoverable and \
             not _is_megatron(replan.plan):  # a checkpoint loads into megatron layouts only
-        uniform = planners[1] if planners else make_planner(profile, uniform=True,
-                                                             time_limit_s=time_limit_s)
+        uniform = planners[1] if planners else make_planner(
+            profile, uniform=True, time_limit_s=time_limit_s, replicated=replicated)
         replan = replan_candidate(holdings, recovery_units(current, alive_set), uniform)
     return DecisionCandidates(reroute=reroute, replan=replan)
 
@@ -246,7 +249,8 @@ def decision_candidates(current: Plan, *, alive: Iterable[int], stale: Iterable[
 def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile: Profile,
            d_s: float, strategy: Strategy = "adaptive", time_limit_s: float | None = 2.0,
            plans: str | None = None,
-           candidates: DecisionCandidates | None = None) -> RecoveryDecision:
+           candidates: DecisionCandidates | None = None,
+           replicated: bool = True) -> RecoveryDecision:
     """Both candidates for the survivors ``alive`` of ``current``, the choice, and how it
     runs. ``stale`` members are alive but hold no usable state (spares, joiners). ``plans``:
     None when the plan runtime executes this model, else why not (then only uniform
@@ -256,7 +260,7 @@ def decide(current: Plan, *, alive: Sequence[int], stale: Iterable[int], profile
     holdings = _holdings(current, alive_set, stale_set)
     cands = candidates or decision_candidates(current, alive=alive_set, stale=stale_set,
                                               profile=profile, time_limit_s=time_limit_s,
-                                              plans=plans)
+                                              plans=plans, replicated=replicated)
     reroute, replan = cands.reroute, cands.replan
     try:
         selected = select([reroute, replan], d_s=d_s, batch=profile.global_batch_size,

@@ -38,6 +38,8 @@ class CacheInputs:
     plans: str | None
     """Why the plan runtime cannot run this model (None: it can)."""
     time_limit_s: float | None = 2.0
+    replicated: bool = True
+    """Re-plans keep two or more pipelines where they fit (``ft.keep_replicas``)."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,13 @@ class FailureCache:
     build_s: float = 0.0
 
     def lookup(self, *, plan: Plan, alive: Iterable[int], stale: Iterable[int],
-               plans: str | None, time_limit_s: float | None = 2.0
+               plans: str | None, time_limit_s: float | None = 2.0, replicated: bool = True
                ) -> DecisionCandidates | None:
         """The candidates precomputed for exactly these inputs, or None (profile: the
         caller's, checked before: it is ``inputs.profile`` when served)."""
         ins = self.inputs
-        if ins is None or (plan, plans, time_limit_s, tuple(sorted(stale))) != \
-                (ins.plan, ins.plans, ins.time_limit_s, ins.stale):
+        if ins is None or (plan, plans, time_limit_s, tuple(sorted(stale)), replicated) != \
+                (ins.plan, ins.plans, ins.time_limit_s, ins.stale, ins.replicated):
             return None
         return self.entries.get(frozenset(alive))
 
@@ -81,9 +83,11 @@ def build_cache(inputs: CacheInputs, failures: Iterable[frozenset[int]],
     says so between two of them. One pair of planners serves all (their searches share
     work)."""
     start = time.perf_counter()
-    uniform = make_planner(inputs.profile, uniform=True, time_limit_s=inputs.time_limit_s)
+    uniform = make_planner(inputs.profile, uniform=True, time_limit_s=inputs.time_limit_s,
+                           replicated=inputs.replicated)
     planner = uniform if inputs.plans is not None else make_planner(
-        inputs.profile, uniform=False, time_limit_s=inputs.time_limit_s)
+        inputs.profile, uniform=False, time_limit_s=inputs.time_limit_s,
+        replicated=inputs.replicated)
     entries = {}
     for dead in failures:
         if cancelled():
@@ -91,7 +95,8 @@ def build_cache(inputs: CacheInputs, failures: Iterable[frozenset[int]],
         alive = frozenset(inputs.members) - dead
         cands = decision_candidates(inputs.plan, alive=alive, stale=inputs.stale,
                                     profile=inputs.profile, time_limit_s=inputs.time_limit_s,
-                                    plans=inputs.plans, planners=(planner, uniform))
+                                    plans=inputs.plans, planners=(planner, uniform),
+                                    replicated=inputs.replicated)
         if cands.replan.complete:
             entries[alive] = cands
     return FailureCache(inputs=inputs, entries=entries, build_s=time.perf_counter() - start)

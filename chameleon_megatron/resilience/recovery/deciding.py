@@ -130,7 +130,7 @@ class Decider:
         return decide(standing.plan, alive=membership.members, stale=agreed.stale,
                       profile=profile or self.profile(trainer, basis),
                       d_s=self.expected_time_to_failure(), strategy=self.ft.strategy,
-                      plans=basis.plans, candidates=cands), \
+                      plans=basis.plans, candidates=cands, replicated=basis.replicated), \
             "fresh" if cands is None else "cache"
 
     def replan_wins(self, trainer: TrainerHandle, standing: Standing, generation: int) -> bool:
@@ -153,6 +153,7 @@ class Decider:
             members=tuple(sorted(standing.members)),
             stale=tuple(sorted(set(standing.members) - set(standing.active))),
             plans=self.plans_refused or plan_refusal(trainer.args, standing.plan),
+            replicated=self.ft.keep_replicas,
             step_time_s=None if user else self.detector.typical_step_time,
             regroup_s=None if user else standing.regroup_s,
             history=() if user else tuple(self.feedback.observations()))
@@ -194,7 +195,7 @@ class Decider:
             return None, None
         cache = ready[1]
         cands = cache.lookup(plan=standing.plan, alive=membership.members, stale=agreed.stale,
-                             plans=basis.plans)
+                             plans=basis.plans, replicated=basis.replicated)
         return (cache.inputs.profile, cands) if cands is not None else (None, None)
 
     def expected_time_to_failure(self) -> float:

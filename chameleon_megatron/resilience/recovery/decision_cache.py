@@ -38,6 +38,8 @@ class DecisionBasis:
     stale: tuple[int, ...]
     """Members holding no state now (spares)."""
     plans: str | None
+    replicated: bool
+    """Re-plans keep two or more pipelines where they fit (``ft.keep_replicas``)."""
     step_time_s: float | None
     regroup_s: float | None
     history: tuple[Observation, ...]
@@ -73,6 +75,7 @@ def cache_builder(basis: DecisionBasis, me: int, profile: Callable[[], Profile],
         if not failures:  # this rank decides none: no profile to derive either
             return FailureCache(inputs=None, entries={})
         inputs = CacheInputs(plan=basis.plan, members=basis.members, stale=basis.stale,
-                             profile=profile(), plans=basis.plans)
+                             profile=profile(), plans=basis.plans,
+                             replicated=basis.replicated)
         return build_cache(inputs, failures, cancelled)
     return build

@@ -111,3 +111,6 @@ def test_a_recovery_layout_keeps_a_copy_of_every_stage_for_the_next_failure() ->
             decision = decide(plan, alive=list(alive), stale=stale, profile=profile, d_s=1e4,
                               plans=plans)
             assert len(decision.plan.pipelines) >= 2, (alive, plans, decision.plan.describe())
+    fastest = decide(plan, alive=list(range(7)), stale=(), profile=profile, d_s=1e4,
+                     replicated=False)  # --no-chameleon-ft-keep-replicas
+    assert fastest.plan.describe() == "1x(d7,m4), tp1"

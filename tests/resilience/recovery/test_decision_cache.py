@@ -31,9 +31,10 @@ ARGS = argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4, s
 TRAINER = SimpleNamespace(args=ARGS, device=torch.device("cpu"))
 
 
-def controller(step_s: float = 0.5, plan=PP2_DP4, me: int = 0) -> RecoveryController:
+def controller(step_s: float = 0.5, plan=PP2_DP4, me: int = 0,
+               keep_replicas: bool = True) -> RecoveryController:
     job = JobStore(dist.HashStore(), "run")
-    ft = ResilienceConfig(timing_steps=1)
+    ft = ResilienceConfig(timing_steps=1, keep_replicas=keep_replicas)
     c = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
                            injector=FaultInjector(0), ft=ft, me=me, plan=plan, backend="gloo")
     c.decider.expected_time_to_failure = lambda: 1000.0  # D depends on the clock; fixed here
@@ -86,6 +87,20 @@ def test_every_single_failure_the_leader_decides_comes_from_the_cache_and_equals
         assert without_source(served) == without_source(fresh), dead
     c.close(finished=False)
     assert not c.decider.precompute.running
+
+
+def test_the_replicas_setting_is_part_of_what_a_cached_decision_serves() -> None:
+    c, plain = controller(keep_replicas=False), controller(keep_replicas=False)
+    assert c.decider.basis(TRAINER, c.standing()).replicated is False
+    c.precompute_decisions(TRAINER)
+    cache = ready(c)
+    assert cache.inputs.replicated is False
+    assert cache.lookup(plan=PP2_DP4, alive=range(7), stale=(), plans=None) is None
+    served, fresh = decision(c, {7}), decision(plain, {7})
+    assert served["record"]["decision_from"] == "cache"
+    assert without_source(served) == without_source(fresh)
+    c.close(finished=False)
+    plain.close(finished=False)
 
 
 def test_node_failures_are_precomputed_from_the_agents_beats() -> None:

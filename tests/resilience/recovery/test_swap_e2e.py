@@ -6,8 +6,9 @@ every rank abandon the step and redo it together (never alone: its peers are mid
 
 4 ranks DP2 x PP2 with per-stage swap budgets (700 kB for stage 0, 600 kB for stage 1); rank
 3 dies in step 3; a profile with a slow all-reduce makes the re-plan one heterogeneous
-pipeline of depth 3 over the survivors (run by the plan runtime, whose steps go through the
-same megatron seams). The configured stages no longer exist, so the tightest budget holds on
+pipeline of depth 3 over the survivors (``--no-chameleon-ft-keep-replicas``: the fastest
+layout even without replicas; run by the plan runtime, whose steps go through the same
+megatron seams). The configured stages no longer exist, so the tightest budget holds on
 every stage. Compared with a failure-free run without swap (one process).
 """
 
@@ -42,6 +43,7 @@ def test_swap_keeps_working_on_a_re_planned_heterogeneous_layout(tmp_path: Path)
     recs, dumps, log = launch(run, 4, [
         "--pipeline-model-parallel-size", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
         "--chameleon-ft-strategy", "replan", "--chameleon-ft-profile", str(profile), *SWAP,
+        "--no-chameleon-ft-keep-replicas",
         *faults("rank=3,iteration=3,phase=forward,kind=exit")], timeout_s=240, iters=ITERS)
     assert assert_losses_match(recs, ref_losses) == list(range(1, ITERS + 1)), log[-4000:]
     (recovery,) = [r for r in recs if r["event"] == "recovery"]
@@ -111,7 +113,8 @@ def _replan(tmp: Path, memory: float, swap: list[str]) -> tuple[list, dict]:
     profile = write_profile(tmp / "p.json", favour="pp", tp=1, device_memory_bytes=memory)
     recs, dumps, log = launch(tmp, 4, [
         *PP2, *FT, "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-strategy",
-        "replan", "--chameleon-ft-profile", str(profile), *swap,
+        "replan", "--chameleon-ft-profile", str(profile), "--no-chameleon-ft-keep-replicas",
+        *swap,
         *faults("rank=3,iteration=3,phase=forward,kind=exit")], timeout_s=240, iters=ITERS)
     (recovery,) = [r for r in recs if r["event"] == "recovery"]
     return recs, recovery
