@@ -57,6 +57,12 @@ def write_profile(path: Path, *, favour: str, tp: int, **over: float) -> Path:
     return path
 
 
+def deep_plans(favour: str) -> list[str]:
+    """Flags that let a re-plan under ``favour="pp"`` take the one deep pipeline that
+    profile favours (a recovery keeps two or more pipelines by default)."""
+    return ["--no-chameleon-ft-keep-replicas"] if favour == "pp" else []
+
+
 def run_reference(tmp: Path, iters: int = ITERS,
                   flags: tuple[str, ...] = ()) -> tuple[dict[int, float], dict]:
     """Losses and state sums of the failure-free run (one process)."""

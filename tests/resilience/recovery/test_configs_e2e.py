@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
     FT, ITERS, assert_every_copy_matches, assert_losses_match, assert_same_state, combine,
-    faults, launch, run_reference, write_profile,
+    deep_plans, faults, launch, run_reference, write_profile,
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
@@ -54,7 +54,8 @@ def recover(tmp_path: Path, flags: tuple[str, ...], rtol: float,
         *flags, *job_only, "--pipeline-model-parallel-size", "2",
         "--tensor-model-parallel-size", str(tp), *FT,
         "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
-        *ft, *faults("rank=0,iteration=3,phase=backward,kind=exit")], timeout_s=300)
+        *deep_plans(favour), *ft, *faults("rank=0,iteration=3,phase=backward,kind=exit")],
+        timeout_s=300)
     assert assert_losses_match(recs, ref_losses, rtol=rtol) == list(range(1, ITERS + 1)), \
         log[-4000:]
     (done,) = [r for r in recs if r["event"] == "recovery"]

@@ -20,7 +20,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
-    FT, ITERS, assert_resumed_from_copies, assert_same_state, faults, launch, run_reference,
+    FT, ITERS, assert_resumed_from_copies, assert_same_state, deep_plans, faults, launch,
+    run_reference,
     summed, write_profile,
 )
 
@@ -71,7 +72,7 @@ def recover(tmp_path: Path, interval: int, flags: tuple[str, ...], rtol: float,
         *flags, *job_only, "--pipeline-model-parallel-size", "2",
         "--tensor-model-parallel-size", str(tp), "--chameleon-ft-strategy", strategy, *FT,
         "--chameleon-ft-startup-timeout-s", "120", "--chameleon-ft-profile", str(profile),
-        "--chameleon-ft-shard-replica-interval", str(interval),
+        "--chameleon-ft-shard-replica-interval", str(interval), *deep_plans(favour),
         *faults(f"rank=0,iteration={FAIL},phase=backward,kind=exit")], timeout_s=400)
     seen = [r["iteration"] for r in recs if r["event"] == "iteration"]
     for r in recs:

@@ -77,7 +77,8 @@ def test_four_ranks_recover_in_memory_from_three_failures(reference, tmp_path: P
 def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
         reference, tmp_path: Path) -> None:
     """TP2 x PP2 x DP2. Rank 5 fails after applying step 3: kept; its TP group is broken,
-    so the three intact ones form one heterogeneous pipeline (rank 4 a spare), which takes
+    so the three intact ones form one heterogeneous pipeline (rank 4 a spare; the fastest
+    layout, taken without replicas: --no-chameleon-ft-keep-replicas), which takes
     no checkpoint (step 4's is skipped). Ranks 6 and 7, a whole stage, die in step 6: its
     layers have no copy left, so the job falls back to the checkpoint of step 2 on a megatron
     layout and redoes steps 3 to 5."""
@@ -87,6 +88,7 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
         *FT, "--chameleon-ft-startup-timeout-s", "200", "--chameleon-ft-profile", str(profile),
+        "--no-chameleon-ft-keep-replicas",
         *faults("rank=5,iteration=3,phase=optimizer,kind=exception",
                 "rank=6,iteration=6,phase=forward,kind=exit",
                 "rank=7,iteration=6,phase=forward,kind=exit")], timeout_s=420)
@@ -108,7 +110,8 @@ def test_eight_ranks_keep_an_applied_step_and_fall_back_to_the_checkpoint(
 
 def test_the_spares_go_on_when_every_active_rank_fails(reference, tmp_path: Path) -> None:
     """DP2 x PP2 on a profile where every link is slow: rank 3 dies in step 3 and the
-    survivors re-plan onto one rank (0), ranks 1 and 2 wait as spares. Rank 0 dies in step
+    survivors re-plan onto one rank (0; the fastest layout, taken without replicas:
+    --no-chameleon-ft-keep-replicas), ranks 1 and 2 wait as spares. Rank 0 dies in step
     6: no active rank is left to open the next generation, so the spares open it (before,
     they waited for an invitation that never came and the job stalled: soak seed 611463).
     They hold no state: they load step 4's checkpoint (one of them trains, as before) and
@@ -119,7 +122,7 @@ def test_the_spares_go_on_when_every_active_rank_fails(reference, tmp_path: Path
     recs, dumps, log = launch(tmp_path, 4, [
         "--pipeline-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"),
         "--save-interval", "2", *FT, "--chameleon-ft-startup-timeout-s", "120",
-        "--chameleon-ft-profile", str(profile),
+        "--chameleon-ft-profile", str(profile), "--no-chameleon-ft-keep-replicas",
         *faults("rank=3,iteration=3,phase=forward,kind=exit",
                 "rank=0,iteration=6,phase=forward,kind=exit")], timeout_s=300)
     assert assert_losses_match(recs, ref_losses) == [1, 2, 3, 4, 5, 5, 6, 7, 8], log[-4000:]
