@@ -21,8 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_support import (  # noqa: E402
     FT, ITERS, assert_resumed_from_copies, assert_same_state, deep_plans, faults, launch,
-    run_reference,
-    summed, write_profile,
+    run_reference, summed, write_profile,
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480), pytest.mark.serial]
