@@ -1,6 +1,9 @@
 """``Trainer.rebuild`` keeps nothing of a layout it failed to build: the arguments, model,
 optimizer and schedule stay as they were (as ``LMLoop.rebuild`` leaves Megatron-LM's global
-arguments), so the recovery that called it can try again or give up cleanly."""
+arguments), so the recovery that called it can try again or give up cleanly.
+
+In-process groups, like ``test_model_state.py``: it runs before ``tests/swap``, whose
+session fixture holds a one-process world until the session ends."""
 
 from __future__ import annotations
 
