@@ -97,8 +97,9 @@ class Trainer(LoopPosition):
         optimizer = build_optimizer(args, model)
         scheduler = build_scheduler(args, optimizer)
         configure_schedule(config, model, optimizer, args.overlap_grad_reduce)
-        self.engine = MegatronEngine(args, config, model, optimizer, self.device)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        engine = MegatronEngine(args, config, model, optimizer, self.device)
+        self.model, self.optimizer, self.scheduler, self.engine = (model, optimizer, scheduler,
+                                                                   engine)
 
     def _log_start(self) -> None:
         """The start-up line (rank 0), parameters summed over the model-parallel ranks."""

@@ -365,10 +365,11 @@ class RecoveryController:
         """This process joins the running job: wait to be invited, then recover into the
         generation that admits it (holding nothing); "stop" when the job ends first."""
         generation = self.joiners.wait_for_invitation(self.me, on_wait=self.detector.beat)
-        failure = self.job.failure()
-        if generation is None and failure is not None:
-            raise RecoveryFailed(f"rank {self.me} was not admitted: the job failed ({failure})")
         if generation is None:
+            failure = self.job.failure()
+            if failure is not None:
+                raise RecoveryFailed(f"rank {self.me} was not admitted: the job failed "
+                                     f"({failure})")
             return "stop"
         self.generation = generation - 1
         self.members = (self.me,)  # the generation's "expected" names the others
