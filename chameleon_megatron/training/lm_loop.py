@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.megatron.ddp_release import release_grad_hooks
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.loop_position import LoopPosition, end_of_job_due, work_due
@@ -394,6 +395,7 @@ class LMLoop(LoopPosition):
         # train() set the config's sync functions to the model's bound methods
         self.config.no_sync_func = self.config.grad_sync_func = None
         self.config.param_sync_func = None
+        release_grad_hooks(self.model)
         self.model, self.optimizer, self.scheduler = [], None, None
 
     def use_engine(self, engine: Any, *, rank: int, world_size: int,

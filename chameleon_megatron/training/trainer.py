@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 
 from chameleon_megatron.config import ChameleonConfig
 from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.ddp_release import release_grad_hooks
 from chameleon_megatron.metrics_file import MetricsWriter, continue_run, run_record
 from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
@@ -162,6 +163,7 @@ class Trainer(LoopPosition):
         until ``rebuild`` or ``use_engine`` the trainer has none."""
         for plugin in self.plugins:
             plugin.on_model_dropped()
+        release_grad_hooks(self.__dict__.get("model", ()))
         for name in ("model", "optimizer", "scheduler", "engine"):
             self.__dict__.pop(name, None)
 

@@ -9,38 +9,18 @@ import weakref
 import pytest
 import torch
 
-from chameleon_megatron.config import build_config
-from chameleon_megatron.megatron import groups
-from chameleon_megatron.megatron.platform import CpuPlatform
 from chameleon_megatron.resilience.dist_opt import owned, sink_view
-from chameleon_megatron.training.arguments import parse_args
-from chameleon_megatron.training.env import DistEnv
-from chameleon_megatron.training.trainer import Trainer
-from chameleon_megatron.training.validate import validate_args
+
+from one_process import SMALL_GPT, one_process_trainer
 
 pytestmark = pytest.mark.timeout(120)
-
-ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "8", "--mock-data", "--vocab-size", "64", "--lr", "1e-2",
-        "--log-interval", "100"]
-
 
 @pytest.fixture
 def run():
     """The trainer's model and optimizer (--use-distributed-optimizer) in a world of one."""
-    args = parse_args([*ARGS, "--use-distributed-optimizer"])
-    validate_args(args, 1)
-    platform = CpuPlatform()
-    platform.apply()
-    trainer = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
-    try:
-        trainer.setup()
+    with one_process_trainer([*SMALL_GPT, "--train-iters", "8",
+                              "--use-distributed-optimizer"]) as trainer:
         yield trainer
-    finally:
-        trainer.close()
-        groups.destroy()
-        platform.remove()
 
 
 def test_a_shard_sink_stages_adopted_tensors_without_a_copy(run) -> None:

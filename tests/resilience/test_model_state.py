@@ -8,26 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chameleon_megatron.config import build_config
-from chameleon_megatron.megatron.platform import CpuPlatform
 from chameleon_megatron.resilience.model_state import ModelState, optimizer_slots
 from chameleon_megatron.resilience.optim_layout import Slot, layout_of
 from chameleon_megatron.resilience.recovery.overlap import SourceTensors
-from chameleon_megatron.megatron import groups
-from chameleon_megatron.training.arguments import parse_args
-from chameleon_megatron.training.env import DistEnv
 from chameleon_megatron.training.optim import build_scheduler
-from chameleon_megatron.training.trainer import Trainer
-from chameleon_megatron.training.validate import validate_args
 
 from fused_standins import installed
+from one_process import SMALL_GPT, one_process_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
-ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "8", "--mock-data", "--vocab-size", "64", "--lr", "1e-2",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "100"]
+ARGS = [*SMALL_GPT, "--train-iters", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 OPTIMIZERS = {"adam": ["--optimizer", "adam"], "sgd": ["--optimizer", "sgd"],
@@ -39,22 +30,11 @@ OPTIMIZERS = {"adam": ["--optimizer", "adam"], "sgd": ["--optimizer", "sgd"],
 
 @pytest.fixture(scope="module", params=list(OPTIMIZERS))
 def trainer(request):
-    args = parse_args([*ARGS, *OPTIMIZERS[request.param]])
-    validate_args(args, 1)
-    platform = CpuPlatform()
-    platform.apply()
     family = {"te": "te", "apex": "apex"}.get(request.param.partition("-")[0])
-    with installed(family):
-        run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
-        try:
-            run.setup()
-            inner = type(run.optimizer.optimizer)
-            assert (family is None) == inner.__module__.startswith("torch."), inner
-            yield run
-        finally:
-            run.close()
-            groups.destroy()
-            platform.remove()
+    with installed(family), one_process_trainer([*ARGS, *OPTIMIZERS[request.param]]) as run:
+        inner = type(run.optimizer.optimizer)
+        assert (family is None) == inner.__module__.startswith("torch."), inner
+        yield run
 
 
 class Snapshot:

@@ -9,25 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chameleon_megatron.config import build_config
 from chameleon_megatron.configurable import ConfigError
-from chameleon_megatron.megatron import groups
-from chameleon_megatron.megatron.platform import CpuPlatform
-from chameleon_megatron.megatron.te_absent import TeAbsentPatch
 from chameleon_megatron.resilience.model_state import ModelState, unit_buffers, unwrap
 from chameleon_megatron.resilience.recovery.plugin import check_recoverable
 from chameleon_megatron.training.arguments import parse_args
-from chameleon_megatron.training.env import DistEnv
 from chameleon_megatron.training.optim import build_scheduler
-from chameleon_megatron.training.trainer import Trainer
 from chameleon_megatron.training.validate import validate_args
+
+from one_process import SMALL_GPT, one_process_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
-ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "8", "--mock-data", "--vocab-size", "64", "--lr", "1e-2",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "100",
+ARGS = [*SMALL_GPT, "--train-iters", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05"]
@@ -36,20 +29,8 @@ BIAS = "mlp.router.expert_bias"
 
 @pytest.fixture(scope="module")
 def trainer():
-    args = parse_args(ARGS)
-    validate_args(args, 1)
-    platform, te = CpuPlatform(), TeAbsentPatch()  # as pretrain_gpt applies them
-    platform.apply()
-    te.apply()
-    run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
-    try:
-        run.setup()
+    with one_process_trainer(ARGS, te_absent=True) as run:
         yield run
-    finally:
-        run.close()
-        groups.destroy()
-        te.remove()
-        platform.remove()
 
 
 def test_the_flag_needs_sigmoid_scores() -> None:

@@ -10,37 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chameleon_megatron.config import build_config
-from chameleon_megatron.megatron import groups
-from chameleon_megatron.megatron.platform import CpuPlatform
 from chameleon_megatron.training import trainer as trainer_module
-from chameleon_megatron.training.arguments import parse_args
-from chameleon_megatron.training.env import DistEnv
-from chameleon_megatron.training.trainer import Trainer
-from chameleon_megatron.training.validate import validate_args
+
+from one_process import SMALL_GPT, one_process_trainer
 
 pytestmark = pytest.mark.timeout(120)
-
-ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "4", "--mock-data", "--vocab-size", "64", "--lr", "1e-2",
-        "--log-interval", "100"]
 
 
 @pytest.fixture
 def trainer():
-    args = parse_args(ARGS)
-    validate_args(args, 1)
-    platform = CpuPlatform()
-    platform.apply()
-    run = Trainer(args, build_config(), env=DistEnv(0, 1, 0))
-    try:
-        run.setup()
+    with one_process_trainer([*SMALL_GPT, "--train-iters", "4"]) as run:
         yield run
-    finally:
-        run.close()
-        groups.destroy()
-        platform.remove()
 
 
 def test_a_failed_rebuild_keeps_nothing_and_a_later_one_trains(trainer, monkeypatch) -> None:

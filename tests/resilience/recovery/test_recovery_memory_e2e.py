@@ -30,9 +30,10 @@ DIST_OPT = ("--use-distributed-optimizer", "--chameleon-ft-shard-replica-interva
 @pytest.mark.parametrize(("strategy", "flags", "mode"), [
     ("reroute", (), "reroute"),
     ("replan", (), "megatron"),
-    pytest.param("replan", DIST_OPT, "megatron", marks=pytest.mark.xfail(
-        strict=False, reason="with the distributed optimizer the dead rank's pipeline partner "
-                            "keeps its old model alive (held from outside Python: not found)")),
+    # The distributed optimizer's shard views tie the old model to DDP's hooks through
+    # autograd (megatron/ddp_release.py): without the release the old layout stays alive.
+    ("replan", DIST_OPT, "megatron"),
+    ("reroute", DIST_OPT, "reroute"),
 ])
 def test_the_old_layout_is_freed_before_the_new_one_is_built(
         tmp_path: Path, strategy: str, flags: tuple[str, ...], mode: str) -> None:
