@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Collection, Mapping
+from typing import Any, ClassVar, Mapping
 
 import yaml
 
@@ -50,19 +50,16 @@ SECTIONS: frozenset[str] = frozenset(c.SECTION for c in COMPONENTS)
 
 
 def add_chameleon_args(parser: argparse.ArgumentParser,
-                       components: tuple[type, ...] = COMPONENTS,
-                       skip: Mapping[str, Collection[str]] | None = None,
-                       ) -> argparse.ArgumentParser:
+                       components: tuple[type, ...] = COMPONENTS) -> argparse.ArgumentParser:
     """Add ``--chameleon-config`` and the flags of ``components`` (every component by
-    default; an entry that supports fewer offers only theirs), but the fields ``skip`` names
-    by section."""
+    default; an entry that supports fewer offers only theirs)."""
     group = parser.add_argument_group("chameleon")
     group.add_argument(
         "--chameleon-config", dest="chameleon_config", default=None, metavar="FILE.yaml",
         help="YAML preset; its sections are component names (and 'megatron' for trainer flags).",
     )
     for cls in components:
-        add_flags(group, cls.SECTION, cls, (skip or {}).get(cls.SECTION, ()))
+        add_flags(group, cls.SECTION, cls)
     return parser
 
 

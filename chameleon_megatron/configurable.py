@@ -21,7 +21,7 @@ import inspect
 import textwrap
 import types
 import typing
-from typing import Any, Collection, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 
 class ConfigError(ValueError):
@@ -139,14 +139,12 @@ def dest_name(section: str, field: dataclasses.Field) -> str:
     return f"chameleon__{section}__{field.name}"
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, section: str, cls: type,
-              skip: Collection[str] = ()) -> None:
-    """Add one flag per field (but those named in ``skip``); values default to SUPPRESS so
-    only given flags are seen."""
+def add_flags(parser: argparse.ArgumentParser | Any, section: str, cls: type) -> None:
+    """Add one flag per field; values default to SUPPRESS so only given flags are seen."""
     hints = _resolved_types(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
-        if not f.init or f.name in skip:
+        if not f.init:
             continue
         base, _ = _unwrap_optional(hints[f.name])
         kw: dict[str, Any] = {

@@ -6,7 +6,7 @@ The patch rebinds ``pretrain = wrap_pretrain(pretrain)`` at the top of the scrip
 * ``parse_args`` of ``megatron.training.arguments`` (and ``.initialize``, before 0.19) chain our
   ``extra_args_provider``: every parse (``--help``, the in-process-restart check, the one in
   ``initialize_megatron``) knows ``--chameleon-config`` and the flags of ``COMPONENTS`` (swap,
-  fault tolerance, metrics; not the fields of ``UNSUPPORTED``), and the preset's ``megatron``
+  fault tolerance, metrics), and the preset's ``megatron``
   section becomes parser defaults (as do the flags a CPU needs, on a host without CUDA), so
   command-line flags still win. Each parse checks the Chameleon config against Megatron-LM's
   arguments and ends a run it cannot serve with one line, before any work.
@@ -46,20 +46,19 @@ from chameleon_megatron.megatron.lm_cpu import (
 from chameleon_megatron.megatron.lm_limits import first_refused, ft_limits, swap_limits
 from chameleon_megatron.megatron.lm_seams import UnsupportedMegatron, check_release
 from chameleon_megatron.training.lm_hook import USED, MegatronLMHook
-from chameleon_megatron.training.lm_loop import Leave, Providers
+from chameleon_megatron.training.lm_loop import Joining, Leave, Providers
 from chameleon_megatron.preflight import check_launcher, check_metrics_file
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.recovery.faults import check_end_of_job_faults
+from chameleon_megatron.resilience.store.env import JOIN_ENV
+from chameleon_megatron.resilience.store.joiners import join_id_from_env
 from chameleon_megatron.resilience.launch.with_agent import end_with_agent
 from chameleon_megatron.swap.config import SwapConfig
 from chameleon_megatron.training.plugin import TrainerPlugin
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 COMPONENTS = (MetricsConfig, SwapConfig, ResilienceConfig)
-"""What this path supports: its --help offers their flags (but ``UNSUPPORTED``)."""
-UNSUPPORTED = {"ft": ("join", "respawns", "respawn_delay_s")}
-"""Fields this path does not run (new members joining a running job): no flag, and a preset
-that sets them is refused when the arguments are parsed."""
+"""What this path supports: its --help offers their flags."""
 PROG = "pretrain_gpt.py"
 PRETRAIN_PARAMS = ("train_valid_test_dataset_provider", "model_provider", "model_type")
 """What a recovery takes from pretrain()'s arguments (``Providers``, in order)."""
@@ -70,7 +69,7 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """Megatron-LM ``extra_args_provider``: Chameleon's flags plus the preset's megatron
     defaults. A parser that already has them is returned unchanged."""
     if "--chameleon-config" not in parser._option_string_actions:
-        add_chameleon_args(parser, COMPONENTS, UNSUPPORTED)
+        add_chameleon_args(parser, COMPONENTS)
         set_cpu_defaults(parser)
         apply_preset_defaults(parser, sys.argv[1:])
     return parser
@@ -120,12 +119,10 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
             raise ConfigError(f"--chameleon-swap with {refused}")
     ft = config.ft
     if not ft.enabled:
+        if join_id_from_env() is not None:
+            raise ConfigError(f"{JOIN_ENV} is set (a joiner) but --chameleon-ft is not: only "
+                              "a fault-tolerant job admits new members")
         return
-    for name in UNSUPPORTED["ft"]:
-        value = getattr(ft, name)
-        if value != getattr(ResilienceConfig(), name):
-            raise ConfigError(f"ft.{name}={value!r}: Megatron-LM's pretrain_gpt.py admits no "
-                              "new members into a running job; use chameleon-pretrain-gpt")
     if ft.strategy == "reroute":  # rerouting runs on the plan runtime
         raise ConfigError(f"ft.strategy='reroute': {PLANS_REFUSED}, so every recovery "
                           "re-plans to one; use chameleon-pretrain-gpt to reroute, or "
@@ -191,11 +188,17 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
         # 0.19's pretrain_gpt.py passes no model_provider (its config container builds one)
         providers = Providers(*(named.get(name) for name in PRETRAIN_PARAMS))
         end_with_agent()  # under chameleon-run: no worker outlives its agent
-        with lm_cpu_platform(training, initialize), \
-                MegatronLMHook(training, plugins_for, providers).installed():
+        hook = MegatronLMHook(training, plugins_for, providers,
+                              joining=join_id_from_env() is not None)
+        with lm_cpu_platform(training, initialize), hook.installed():
             try:
-                return pretrain(*args, **kwargs)
-            except Leave:  # a spare at the job's end: the job goes on without this rank
+                try:
+                    return pretrain(*args, **kwargs)
+                except Joining:  # a restarted worker or a new node: admitted by the job
+                    return hook.join(named["forward_step_func"],
+                                     named.get("process_non_loss_data_func"),
+                                     named.get("non_loss_data_func"))
+            except Leave:  # a spare at the job's end, or a joiner the job ended before
                 return None
 
     return wrapped

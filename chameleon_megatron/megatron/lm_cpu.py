@@ -114,7 +114,7 @@ def _installed_helpers() -> Path | None:
     return None
 
 
-def _load_dataset_helpers() -> str:
+def load_dataset_helpers() -> str:
     """Make ``megatron.core.datasets.helpers_cpp`` importable; say where it came from."""
     try:
         importlib.import_module(HELPERS)
@@ -140,10 +140,10 @@ def _compile_dependencies_cpu() -> None:
     megatron-core wheel's (the same C++ code, compiled for this Python), else rank 0 builds
     them as Megatron-LM does. The fused kernels are CUDA-only and never built here."""
     if torch.distributed.get_rank() == 0:
-        logger.info("megatron.core.datasets helpers: %s", _load_dataset_helpers())
+        logger.info("megatron.core.datasets helpers: %s", load_dataset_helpers())
     torch.distributed.barrier()
     if torch.distributed.get_rank() != 0:
-        _load_dataset_helpers()
+        load_dataset_helpers()
 
 
 def _replace(module: ModuleType, name: str, make: Callable[[Any], Any], saved: list) -> None:

@@ -31,6 +31,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import time
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
@@ -39,8 +40,9 @@ import torch
 
 from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
+from chameleon_megatron.megatron.lm_cpu import load_dataset_helpers
 from chameleon_megatron.megatron.lm_seams import setup_for_rebuild
-from chameleon_megatron.training.lm_loop import LMLoop, Providers
+from chameleon_megatron.training.lm_loop import Entry, Joining, LMLoop, Providers
 from chameleon_megatron.metrics_file import MetricsWriter, continue_run, run_record
 from chameleon_megatron.training.plugin import (
     END_OF_JOB,
@@ -59,7 +61,8 @@ WRAPPED = ("setup_model_and_optimizer", "build_train_valid_test_data_iterators",
 """Functions of megatron.training.training replaced while pretrain() runs."""
 USED = WRAPPED + ("get_args", "get_timers", "mpu", "get_model_config", "get_num_microbatches",
                   "load_checkpoint", "save_checkpoint_and_time",
-                  "num_floating_point_operations", "preprocess_common_state_dict")
+                  "num_floating_point_operations", "preprocess_common_state_dict",
+                  "print_datetime")
 """Every name of megatron.training.training the hook relies on."""
 
 
@@ -67,8 +70,11 @@ class MegatronLMHook:
     """Calls Chameleon's plugins from Megatron-LM's training loop; owns the replaced seams."""
 
     def __init__(self, training: ModuleType, build_plugins: PluginBuilder,
-                 providers: Providers) -> None:
+                 providers: Providers, *, joining: bool = False) -> None:
+        """``joining``: this process joins a running job (a restarted worker or a new
+        node): pretrain() stops after Megatron-LM's arguments are set (``join`` goes on)."""
         self._training = training
+        self._wrapped = WRAPPED + (("initialize_megatron",) if joining else ())
         self._build_plugins = build_plugins
         self._providers = providers
         self.plugins: list[TrainerPlugin] = []
@@ -81,7 +87,7 @@ class MegatronLMHook:
     def installed(self) -> Iterator[None]:
         """Replace the training seams for the duration of the block, then restore them and
         end the plugins."""
-        self._originals = {name: getattr(self._training, name) for name in WRAPPED}
+        self._originals = {name: getattr(self._training, name) for name in self._wrapped}
         for name, original in self._originals.items():
             setattr(self._training, name, getattr(self, f"_{name}")(original))
         try:
@@ -99,30 +105,68 @@ class MegatronLMHook:
     def _setup_model_and_optimizer(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
             model, optimizer, scheduler = original(*args, **kwargs)
-            config = config_from_args(self._training.get_args())
-            if config.ft.enabled:
-                log_ours()  # recoveries are worth reading on the console
-            self.plugins = list(self._build_plugins(config))
-            self._metrics_path = config.metrics.file
-            self._metrics = MetricsWriter(self._metrics_path,
-                                          enabled=torch.distributed.get_rank() == 0)
-            if self._metrics_path is not None:  # the file starts as chameleon's trainer's
-                self._metrics.write(run_record(torch.distributed.get_world_size(),
-                                               self._training.get_args(), _megatron_version()))
-            self.loop = LMLoop(
-                self._training, self.plugins, self._providers, setup=setup_for_rebuild(original),
-                build_iterators=self._originals["build_train_valid_test_data_iterators"],
-                announce=self._announce, emit=self._emit,
-                new_world=self._new_world)
+            self._start_loop(original, rank=torch.distributed.get_rank())
             self.loop.built(model, optimizer, scheduler)
             ctx = self.loop.context()
             self._announce(ctx)
             logger.info({"event": "chameleon_megatron_lm_hook", "rank": ctx.rank,
                          "plugins": [type(p).__name__ for p in self.plugins],
-                         "metrics_file": config.metrics.file})
+                         "metrics_file": self._metrics_path})
             return model, optimizer, scheduler
 
         return setup_model_and_optimizer
+
+    def _start_loop(self, setup: Callable[..., Any], *, rank: int | None) -> None:
+        """The plugins, the metrics file and the loop, once Megatron-LM's arguments are
+        known; ``rank``: this rank in the job's first world (None: a joiner, which writes
+        the metrics file only if the layout that admits it makes it rank 0)."""
+        config = config_from_args(self._training.get_args())
+        if config.ft.enabled:
+            log_ours()  # recoveries are worth reading on the console
+        self.plugins = list(self._build_plugins(config))
+        self._metrics_path = config.metrics.file
+        self._metrics = MetricsWriter(self._metrics_path, enabled=rank == 0)
+        if self._metrics_path is not None and rank == 0:  # the file starts as our trainer's
+            self._metrics.write(run_record(torch.distributed.get_world_size(),
+                                           self._training.get_args(), _megatron_version()))
+        self.loop = LMLoop(
+            self._training, self.plugins, self._providers, setup=setup_for_rebuild(setup),
+            build_iterators=self._originals["build_train_valid_test_data_iterators"],
+            announce=self._announce, emit=self._emit, new_world=self._new_world)
+
+    # ------------------------------------------------------------------- a joiner
+    def _initialize_megatron(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A joiner's ``initialize_megatron``: Megatron-LM's arguments and global state
+        without its distributed world (the running job's recovery builds the groups this
+        rank joins), then ``Joining`` ends pretrain() before it builds anything."""
+        def initialize_megatron(*args: Any, **kwargs: Any) -> None:
+            original(*args, **{**kwargs, "skip_mpu_initialization": True})
+            raise Joining()
+
+        return initialize_megatron
+
+    def join(self, forward_step_func: Callable[..., Any],
+             process_non_loss_data_func: Any = None, non_loss_data_func: Any = None
+             ) -> tuple[int, float]:
+        """After ``Joining``: wait to be invited, take the layout the running job's
+        recovery gives this rank, and train in it (``LMLoop.join``)."""
+        args = self._training.get_args()
+        if torch.cuda.is_available():  # as Megatron-LM's distributed set-up does
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        load_dataset_helpers()
+        # what setup_model_and_optimizer states when it loads nothing (the recovery moves
+        # the position in)
+        args.iteration, args.num_floating_point_operations_so_far = 0, 0
+        from chameleon_megatron.training.distributed import seed_unplaced  # megatron-core
+
+        seed_unplaced(args.seed)  # each holder's streams come with its stage
+        self._start_loop(self._originals["setup_model_and_optimizer"], rank=None)
+        entry = Entry(forward_step_func, process_non_loss_data_func, {}, non_loss_data_func)
+        done = self.loop.join(self._originals["train"], entry)
+        # pretrain()'s only collective after train() (its end-of-job work ran in the loop):
+        # the members' barrier, which this rank must join
+        self._training.print_datetime("after training is done")
+        return done
 
     def _announce(self, ctx: TrainContext) -> None:
         for plugin in self.plugins:

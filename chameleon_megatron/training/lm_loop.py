@@ -46,6 +46,11 @@ class Reenter(Exception):
     """Unwinds Megatron-LM's ``train()`` after a plugin changed the layout between steps."""
 
 
+class Joining(Exception):
+    """Ends a joiner's ``pretrain()`` once Megatron-LM's arguments are set, before it builds
+    a world, a model or data (``MegatronLMHook.join`` goes on from there)."""
+
+
 class Leave(Exception):
     """This rank left the job (a spare at its end): unwinds ``pretrain()`` itself, as what
     follows ``train()`` there needs the world this rank is no longer in."""
@@ -161,6 +166,29 @@ class LMLoop(LoopPosition):
         self._valid_mark = (-1, args.consumed_valid_samples)
         if any(p.on_train_start(self) == "stop" for p in self.plugins):
             raise Leave()
+        return self._run(original, entry, train_iterator, valid_iterator, rest, named)
+
+    def join(self, original: Callable[..., Any], entry: Entry) -> tuple[int, float]:
+        """A joiner's run of Megatron-LM's ``train()``: its ``pretrain()`` stopped before
+        Megatron-LM built anything (``hook.Joining``); the plugins admit it into the running
+        job (``on_train_start``: holding nothing until invited), whose recovery builds its
+        groups and model and moves the survivors' state and position in; then it trains from
+        there with the others (who re-enter ``train()`` at the same step), data iterators
+        built at the agreed sample."""
+        _timers_of(self._training.get_timers())
+        if any(p.on_train_start(self) == "stop" for p in self.plugins):
+            raise Leave()
+        if not self.model:
+            raise RuntimeError("the recovery that admitted this rank built it no model")
+        self._checkpointing = entry.checkpointing_context
+        self.iterators_built(self._iterators_at_mark(self._at_position()))
+        return self._run(original, entry, self._originals[0], self._originals[1], (), {})
+
+    def _run(self, original: Callable[..., Any], entry: Entry, train_iterator: Any,
+             valid_iterator: Any, rest: tuple[Any, ...], named: dict[str, Any]
+             ) -> tuple[int, float]:
+        """Megatron-LM's ``train()`` and then pretrain()'s end-of-job work, both recovered:
+        after a recovery, what the members agreed to redo, then ``train()`` again."""
         result = None
         while True:
             try:
@@ -168,10 +196,11 @@ class LMLoop(LoopPosition):
                 if not start:
                     if self._redo_after:
                         self._after_step_work(entry, self._take_redo_after())
-                    result = original(forward_step_func, self.model, self.optimizer,
+                    result = original(entry.forward_step_func, self.model, self.optimizer,
                                       self.scheduler, self.current(train_iterator),
-                                      self.current(valid_iterator), process_non_loss_data_func,
-                                      self.config, checkpointing_context, non_loss_data_func,
+                                      self.current(valid_iterator),
+                                      entry.process_non_loss_data_func, self.config,
+                                      entry.checkpointing_context, entry.non_loss_data_func,
                                       *rest, **named)
                     self._ended_at, start = self.iteration, END_OF_JOB[0]
                 self._end_of_job(entry, start)
@@ -220,6 +249,13 @@ class LMLoop(LoopPosition):
 
     def _reentry(self) -> None:
         """Where train() starts again: the agreed step, its sample, fresh data iterators."""
+        fresh = self._iterators_at_mark(self._at_position())
+        self._iterators = {id(old): new for old, new in zip(self._originals, fresh)
+                           if old is not None}
+
+    def _at_position(self) -> Any:
+        """Megatron-LM's arguments, timers and rerun state put where train() starts again
+        (the agreed step and its samples); returns the arguments."""
         args = self._training.get_args()
         args.iteration, args.consumed_train_samples = self.iteration, self.consumed_samples
         args.num_floating_point_operations_so_far = self._flops
@@ -232,9 +268,7 @@ class LMLoop(LoopPosition):
         self.config.param_sync_func = None
         _reset_timers(self._training.get_timers())
         _reset_rerun_state()
-        fresh = self._iterators_at_mark(args)
-        self._iterators = {id(old): new for old, new in zip(self._originals, fresh)
-                           if old is not None}
+        return args
 
     def _iterators_at_mark(self, args: Any) -> tuple[Any, Any, Any]:
         """Data iterators at the consumed sample counts in ``args``. Megatron-LM takes a

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,12 @@ SHARED_019 = REPO.parent / "shared" / "megatron-lm-0.19"
 REAL_019 = os.environ.get("CHAMELEON_MEGATRON_LM_019") or (
     str(SHARED_019) if SHARED_019.is_dir() else None)
 """Megatron-LM core_v0.19.0, the current release (Python >= 3.12)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def copy_checkout(dest: Path, source: str | None = REAL) -> tuple[Path, dict]:

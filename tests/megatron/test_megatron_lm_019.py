@@ -145,6 +145,19 @@ def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run
 
 
 @pytest.mark.serial
+def test_a_respawned_worker_joins_on_0_19(checkout, tmp_path):
+    """0.19's pretrain() takes a joiner as 0.16's does (its initialize_megatron stops short
+    of the distributed world; the model comes from 0.19's config container for the layout
+    the joiner is given): the respawn test of test_megatron_lm_ft, on this release."""
+    from test_megatron_lm_ft import JOIN_JOB, launch, respawned_joins
+
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    plain = launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=JOIN_JOB)
+    respawned_joins(checkout, plain, tmp_path)
+
+
+@pytest.mark.serial
 def test_a_failure_in_the_final_validation_recovers_on_0_19(checkout, tmp_path):
     """0.19's pretrain() runs the same end-of-job work after train() as 0.16's: rank 1 dies
     as its evaluation on the validation set after step 6 starts, the survivors redo it in

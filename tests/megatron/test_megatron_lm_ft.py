@@ -11,12 +11,16 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_support import copy_checkout, needs_real, patch  # noqa: E402
+from lm_support import copy_checkout, free_port, needs_real, patch  # noqa: E402
+
+from chameleon_megatron.resilience.store.announce import read_failures  # noqa: E402
+from chameleon_megatron.resilience.store.job_store import JobStore  # noqa: E402
 
 pytestmark = [needs_real, pytest.mark.serial, pytest.mark.timeout(600)]
 
@@ -300,3 +304,108 @@ def test_a_failure_in_the_final_test_evaluation_is_recovered(checkout, reference
     _, log = killed_at_the_end(checkout, reference, tmp_path,
                                f"rank=1,iteration=6,phase=final-test,kind={kind}")
     assert "the work after step 6 is redone from its final test" in log
+
+
+JOIN_ITERS = 16
+PACED = range(4, 14)
+"""Steps rank 0 makes slow (3 s each): the joiner (a new Megatron-LM process, some 5 to 30 s
+to start) is admitted well before the last step."""
+JOIN_JOB = [*JOB[:JOB.index("--train-iters") + 1], str(JOIN_ITERS),
+            *JOB[JOB.index("--train-iters") + 2:]]
+JOIN_FT = ["--chameleon-ft", "--chameleon-inject-fault",
+           "rank=3,iteration=3,phase=forward,kind=exit",
+           *(a for i in PACED for a in ("--chameleon-inject-fault",
+                                        f"rank=0,iteration={i},phase=forward,kind=slow,seconds=3"))]
+
+
+@pytest.fixture(scope="module")
+def join_reference(checkout, tmp_path_factory):
+    """Megatron-LM's failure-free run of the join tests' job: (metrics records, output)."""
+    return launch(checkout, tmp_path_factory.mktemp("join-ref") / "plain.jsonl", 4, ft=False,
+                  job=JOIN_JOB)
+
+
+def test_a_respawned_worker_joins_and_the_layout_grows_back(checkout, join_reference,
+                                                            tmp_path):
+    """PP2 x DP2 on 4 ranks; rank 3 dies in step 3. chameleon-run restarts its slot as a
+    joiner (``--chameleon-ft-respawns 1``): a new pretrain_gpt.py whose pretrain() stops
+    after Megatron-LM's arguments and holds nothing until invited. The survivors re-plan
+    (3 ranks: DP2, a spare), then admit the joiner between two steps: four ranks again,
+    every step once, every loss, validation and end-of-job evaluation that of Megatron-LM's
+    failure-free run."""
+    respawned_joins(checkout, join_reference, tmp_path)
+
+
+def respawned_joins(checkout, plain: tuple[list[dict], str], tmp_path) -> None:
+    """The respawn test's job against ``plain``, the failure-free run (also on 0.19)."""
+    joined = launch(checkout, tmp_path / "ft.jsonl", 4, *JOIN_FT, "--chameleon-ft-respawns",
+                    "1", "--chameleon-ft-respawn-delay-s", "0", job=JOIN_JOB)
+    assert_grown_back(plain, joined)
+
+
+def test_a_new_node_joins_and_the_layout_grows_back(checkout, join_reference, tmp_path):
+    """The same job on a static rendezvous, without respawns: once rank 3's failure is
+    announced, a second chameleon-run (one worker, ``--chameleon-ft-join``) joins it through
+    the job store; the layout grows back as with a respawned worker."""
+    ckpt, env = checkout
+    out = tmp_path / "ft.jsonl"
+    port = free_port()
+    rdzv = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--rdzv-id=lm"]
+
+    def node(nproc: int, *extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "chameleon_megatron.run", *rdzv, "--nproc-per-node",
+               str(nproc), "pretrain_gpt.py", *JOIN_JOB, "--chameleon-metrics-file", str(out),
+               *JOIN_FT, *extra]
+        log = open(tmp_path / f"node{nproc}.log", "w")
+        return subprocess.Popen(cmd, env=env, cwd=ckpt, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    first = node(4)
+    second = None
+    try:
+        job = JobStore.connect("127.0.0.1", port, "lm", timeout_s=120)
+        deadline = time.monotonic() + 240
+        while not read_failures(job) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert read_failures(job), (tmp_path / "node4.log").read_text()[-4000:]
+        second = node(1, "--chameleon-ft-join")
+        assert first.wait(timeout=400) == 0, (tmp_path / "node4.log").read_text()[-6000:]
+        assert second.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-6000:]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    log = (tmp_path / "node4.log").read_text() + (tmp_path / "node1.log").read_text()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert_grown_back(join_reference, (records, log))
+    assert '"event": "node_join", "group_rank": 1' in (tmp_path / "node1.log").read_text()
+
+
+def assert_grown_back(plain: tuple[list[dict], str], joined: tuple[list[dict], str]) -> None:
+    """Rank 3 failed in step 3, a joiner came in (join id 4): four ranks again, every step
+    once, every loss, validation and end-of-job evaluation that of the failure-free run;
+    the joiner built no model before it was invited."""
+    (plain, plain_log), (records, log) = plain, joined
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == list(range(1, JOIN_ITERS + 1)), log[-4000:]
+    for got, want in zip(steps, iterations(plain)):
+        assert got["loss"] == pytest.approx(want["loss"], abs=TOLERANCE), got["iteration"]
+    evaluations = {(it, ""): v for it, v in VALIDATION.findall(log)} | {
+        (it, which): v for it, which, v in FINAL.findall(log)}
+    wanted = {(it, ""): v for it, v in VALIDATION.findall(plain_log)} | {
+        (it, which): v for it, which, v in FINAL.findall(plain_log)}
+    assert evaluations.keys() == wanted.keys()  # the same evaluations, each once
+    assert len(VALIDATION.findall(log) + FINAL.findall(log)) == len(wanted)
+    for key, value in wanted.items():
+        assert float(evaluations[key]) == pytest.approx(float(value), abs=TOLERANCE), key
+    failure, join = recoveries(records)
+    assert (failure["cause"], failure["failed_ranks"]) == ("failure", [3])
+    assert (join["cause"], join["joined"], join["failed_ranks"]) == ("join", [4], [])
+    assert join["layout_after"]["mode"] == "megatron"
+    assert sorted(join["layout_after"]["ranks"]) == [0, 1, 2, 4]
+    assert join["migrated_bytes"] > 0  # the joiner's state came from the survivors
+    sizes = [(r["iteration"] >= join["redo_iteration"], r["world_size"]) for r in steps]
+    assert sorted(set(sizes)) == [(False, 2), (False, 4), (True, 4)]
+    # the joiner's pretrain() never built a model of its own: only the first four did
+    assert log.count('"event": "chameleon_megatron_lm_hook"') == 4

@@ -219,8 +219,6 @@ def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
 
 
 @pytest.mark.parametrize("ft, margs, message", [
-    ({"respawns": 1}, {}, "ft.respawns=1: Megatron-LM's pretrain_gpt.py admits no new members"),
-    ({"join": True}, {}, "ft.join=True: Megatron-LM's pretrain_gpt.py admits no new members"),
     ({"strategy": "reroute"}, {}, "ft.strategy='reroute': Megatron-LM's pretrain_gpt.py "
      "trains megatron layouts only, so every recovery re-plans to one"),
     ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),

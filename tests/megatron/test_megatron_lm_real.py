@@ -47,7 +47,7 @@ def test_real_checkout_patch_round_trip_and_help(real_checkout):
     for flag in ("--chameleon-config", "--chameleon-swap", "--chameleon-metrics-file",
                  "--chameleon-ft", "--chameleon-inject-fault"):
         assert flag in help_text.stdout
-    assert "--chameleon-ft-respawns" not in help_text.stdout
+    assert "--chameleon-ft-respawns" in help_text.stdout
     assert patch.remove(ckpt) is True
     assert script_bytes(ckpt) == original
     assert patch.status(ckpt) == "unpatched"

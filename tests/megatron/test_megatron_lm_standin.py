@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +17,10 @@ import torch
 from megatron.core import package_info
 
 from chameleon_megatron.metrics_file import read_metrics, run_ids
-from chameleon_megatron.resilience.store.env import AGENT_ENV
+from chameleon_megatron.resilience.store.env import AGENT_ENV, JOIN_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_support import REPO, make_checkout, patch  # noqa: E402
+from lm_support import REPO, free_port, make_checkout, patch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,6 +139,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
 
 def preprocess_common_state_dict(common_state_dict):
     return common_state_dict
+
+
+def print_datetime(string, override_timestamp=None):  # Megatron-LM's waits for every rank
+    torch.distributed.barrier()
 
 
 def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
@@ -272,12 +275,6 @@ with open(os.path.join(os.environ["OUT"], f"rank{os.environ['RANK']}.json"), "w"
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def standin(tmp_path):
     """A patched synthetic checkout plus a stand-in megatron.training on PYTHONPATH."""
@@ -302,17 +299,20 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
     for flag in ("--num-layers", "--chameleon-config", "--chameleon-swap",
                  "--chameleon-metrics-file", "--chameleon-ft", "--chameleon-inject-fault"):
         assert flag in out
-    # recovery here never admits new members: their flags are not offered
-    assert "--chameleon-ft-join" not in out and "--chameleon-ft-respawns" not in out
+    # new members are admitted on this path too
+    assert "--chameleon-ft-join" in out and "--chameleon-ft-respawns" in out
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--chameleon-ft-respawns", "1"], "unrecognized arguments: --chameleon-ft-respawns"),
+    (["--chameleon-ft", "--chameleon-ft-respawns", "-1", "AGENT"], "ft.respawns=-1: must be >= 0"),
     (["--chameleon-swap-budget-fraction", "2"], "swap.budget_fraction=2.0"),
     (["--chameleon-ft"], "--chameleon-ft: needs the chameleon-run launcher"),
     (["--chameleon-ft", "--chameleon-ft-shard-replica-interval", "0", "AGENT"],
      "ft.shard_replica_interval=0: must be >= 1"),
-    (["PRESET", "AGENT"], "ft.respawns=2: Megatron-LM's pretrain_gpt.py admits no new members"),
+    (["--chameleon-swap", "JOINER"], "CHAMELEON_FT_JOIN_ID is set (a joiner) but --chameleon-ft "
+     "is not"),
+    (["PRESET", "AGENT"], "ft.strategy='reroute': Megatron-LM's pretrain_gpt.py trains "
+     "megatron layouts only"),
     (["--chameleon-ft", "--context-parallel-size", "2", "AGENT"],
      "--chameleon-ft: --context-parallel-size 2: recovery rebuilds tensor, pipeline and data "
      "parallelism only"),
@@ -326,9 +326,10 @@ def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
         standin, tmp_path, flags, message):
     ckpt, env = standin
     preset = tmp_path / "ft.yaml"
-    preset.write_text("ft:\n  enabled: true\n  respawns: 2\n")
+    preset.write_text("ft:\n  enabled: true\n  respawns: 2\n  strategy: reroute\n")
     agent = {AGENT_ENV: "1"} if "AGENT" in flags else {}  # as if under chameleon-run
-    flags = [f for f in flags if f != "AGENT"]
+    agent |= {JOIN_ENV: "4"} if "JOINER" in flags else {}  # as if a restarted worker
+    flags = [f for f in flags if f not in ("AGENT", "JOINER")]
     flags = ["--chameleon-config", str(preset)] if flags == ["PRESET"] else flags
     used = tmp_path / "used.jsonl"
     used.write_text('{"event": "run", "run_id": 1}\n')

@@ -17,7 +17,7 @@ import torch
 from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
-from chameleon_megatron.training.lm_loop import Leave, LMLoop, Providers
+from chameleon_megatron.training.lm_loop import Entry, Leave, LMLoop, Providers
 from chameleon_megatron.training.loop_position import StepNotRedone
 from chameleon_megatron.training.plugin import TrainerPlugin
 
@@ -223,6 +223,50 @@ def test_a_stop_leaves_pretrain_and_an_unhandled_failure_propagates():
         run(Megatron({("step", 2): PeerLost("gone")}), [Resume(answer="stop")])
     with pytest.raises(PeerLost):
         run(Megatron({("step", 2): PeerLost("gone")}), [Resume(answer=None)])
+
+
+class Admit(TrainerPlugin):
+    """A joiner's admission as the resilience plugin makes it in ``on_train_start``: the
+    recovery builds the layout's model and moves the survivors' position in (after step 2,
+    16 samples, one evaluation of 8 validation samples); "stop": the job ended first."""
+
+    def __init__(self, answer: str | None = None) -> None:
+        self.answer = answer
+
+    def on_train_start(self, trainer):
+        if self.answer == "stop":
+            return "stop"
+        trainer.built(["model"], "optimizer", Scheduler())
+        trainer.resume_at(iteration=2, consumed_samples=16,
+                          scheduler_state={"num_steps": 2}, valid_samples=8)
+        return None
+
+
+def join(fake: Megatron, plugins: list[TrainerPlugin]) -> tuple[int, float]:
+    loop = LMLoop(fake, plugins, Providers("datasets", "model", "type"), setup=None,
+                  build_iterators=fake.build_iterators, announce=lambda ctx: None,
+                  emit=lambda rec: None, new_world=lambda rank: None)
+    fake.loop = loop
+    return loop.join(fake.train, Entry("forward_step", None, {}, None))
+
+
+def test_a_joiner_enters_train_once_at_the_survivors_position():
+    """Its pretrain() built nothing: the data iterators are built once (Megatron-LM's build
+    is a collective of every member), at the agreed samples, and train() runs the steps
+    after the agreed one, then the end-of-job work."""
+    fake = Megatron()
+    assert join(fake, [Admit()]) == (4, 0.0)
+    assert fake.built == [(2, 16, 8)]
+    assert [entry[:2] for entry in fake.entries] == [(2, 16)]
+    assert fake.steps == [3, 4] and fake.evals == [4, 4]  # after step 4; the final one
+    assert fake.loop.scheduler.loaded == [{"num_steps": 2}]
+
+
+def test_a_joiner_the_job_ended_before_leaves_without_building_anything():
+    fake = Megatron()
+    with pytest.raises(Leave):
+        join(fake, [Admit("stop")])
+    assert fake.built == [] and fake.entries == []
 
 
 def test_a_checkpoint_loaded_between_steps_unwinds_and_re_enters_train(tmp_path: Path):
