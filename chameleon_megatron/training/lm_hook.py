@@ -22,6 +22,10 @@ returns or raises:
   the rest), so pretrain()'s own calls after ``train()`` returned are skipped.
 
 ``on_train_end`` is called when ``pretrain()`` returns or raises.
+
+In a joiner (a restarted worker or a new node's, ``CHAMELEON_FT_JOIN_ID`` set),
+``initialize_megatron`` is replaced too: Megatron-LM's arguments are set, no world is built,
+and ``Joining`` unwinds ``pretrain()``; ``join`` then runs the loop for it (``LMLoop.join``).
 """
 
 from __future__ import annotations
