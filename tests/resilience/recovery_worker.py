@@ -224,7 +224,10 @@ def main(argv: list[str]) -> int:
         sys.path.insert(0, str(Path(__file__).parent))
         from rt_support import guard_worker
 
-        guard_worker(400)
+        # a last resort against leaked workers, beyond the longest job (the soak's, up to its
+        # 1800 s test timeout): 400 s killed the last original worker of a soak job that had
+        # waited out a hang (seed 479296), and the job with it
+        guard_worker(1500)
     if ours.fused is not None:
         sys.path.insert(0, str(Path(__file__).parent))
         from fused_standins import install
