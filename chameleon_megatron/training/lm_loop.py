@@ -170,7 +170,7 @@ class LMLoop(LoopPosition):
 
     def join(self, original: Callable[..., Any], entry: Entry) -> tuple[int, float]:
         """A joiner's run of Megatron-LM's ``train()``: its ``pretrain()`` stopped before
-        Megatron-LM built anything (``hook.Joining``); the plugins admit it into the running
+        Megatron-LM built anything (``Joining``); the plugins admit it into the running
         job (``on_train_start``: holding nothing until invited), whose recovery builds its
         groups and model and moves the survivors' state and position in; then it trains from
         there with the others (who re-enter ``train()`` at the same step), data iterators
