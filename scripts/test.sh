@@ -25,7 +25,8 @@ others=$(mktemp)
     "${pytest[@]}" -m "not serial" -p no:cacheprovider || rc=1
     if wait "$setup312"; then
         CHAMELEON_REQUIRE_019=1 .venv312/bin/python -m pytest -q -p no:cacheprovider \
-            tests/megatron/test_megatron_lm_019.py tests/megatron/test_lm_seams.py || rc=1
+            tests/megatron/test_megatron_lm_019.py tests/megatron/test_lm_seams.py \
+            tests/megatron/test_ckpt_writes.py || rc=1
     else
         echo "scripts/setup_env312.sh failed:"; tail -20 "$others.312"; rc=1
     fi

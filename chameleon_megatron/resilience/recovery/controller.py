@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_megatron.megatron import groups
+from chameleon_megatron.megatron.ckpt_writes import check_write_queue, drop_abandoned_writes
 from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import RecoveryDecision, world_order
@@ -160,6 +161,7 @@ class RecoveryController:
         self.longest_recovery_s = 0.0
         """The longest recovery so far (its waits' scale on this machine)."""
         self.teardown = teardown or Teardown(backend, job.port)
+        check_write_queue()
         """Interrupts and leaves this process's groups, for the watcher's thread too."""
         self.watcher = AbortWatcher(job, abort=self.teardown.interrupt)
         """Started by ``watch`` (a thread: whoever starts it stops it with ``close``)."""
@@ -278,6 +280,10 @@ class RecoveryController:
         self._keepalive()
         self.decider.cancel()  # the recovery needs the processor
         self.teardown.leave()
+        dropped = drop_abandoned_writes()  # a save this failure cut off: its redo's, not ours
+        if dropped:
+            logger.warning("rank %d dropped the write results of %d interrupted checkpoint "
+                           "save(s)", self.me, dropped)
         self._completed = trainer.iteration
         if self.shards is not None:
             self.shards.settle(failed=True)  # not a copy stuck on a rank that left

@@ -4,11 +4,13 @@ interrupt must not hide a missing one on the main thread)."""
 
 from __future__ import annotations
 
+import queue
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from chameleon_megatron.megatron.teardown import Teardown
 from chameleon_megatron.resilience.config import ResilienceConfig
@@ -103,3 +105,16 @@ def test_a_communication_error_is_handled_under_a_hold(beat_dir) -> None:
     error = RuntimeError("Connection closed by peer")
     assert controller.handle(error, SimpleNamespace(iteration=4, rank=0)) == "redo"
     assert allowed == [pytest.approx(controller.ft.startup_timeout_s)]
+
+
+def test_a_rank_leaving_its_step_drops_the_results_of_a_save_the_failure_cut_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Else the redo of that save reads them as its own (``megatron/ckpt_writes``)."""
+    stale: queue.Queue = queue.Queue()
+    stale.put({0: []})  # the cut-off save's, written before its barrier failed
+    monkeypatch.setattr(filesystem_async, "_results_queue", stale)
+    controller = _controller(RecordingGroups(NCCL_JOB))
+    left: list[bool] = []
+    controller._serve = lambda *_: left.append(stale.empty()) or "redo"
+    assert controller.abandon(SimpleNamespace(iteration=4), "oom") == "redo"
+    assert left == [True]
