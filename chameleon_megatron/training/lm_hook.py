@@ -46,7 +46,8 @@ from chameleon_megatron.config import ChameleonConfig, config_from_args
 from chameleon_megatron.logs import log_ours
 from chameleon_megatron.megatron.lm_cpu import load_dataset_helpers
 from chameleon_megatron.megatron.lm_seams import setup_for_rebuild
-from chameleon_megatron.training.lm_loop import Entry, Joining, LMLoop, Providers
+from chameleon_megatron.training.lm_loop import Joining, LMLoop, Providers
+from chameleon_megatron.training.lm_work import Entry
 from chameleon_megatron.metrics_file import MetricsWriter, continue_run, run_record
 from chameleon_megatron.training.plugin import (
     END_OF_JOB,

@@ -31,6 +31,15 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron.ddp_release import release_grad_hooks
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.frames import clear_frames
+from chameleon_megatron.training.lm_globals import (
+    reconfigure_microbatches,
+    reset_rerun_state,
+    reset_timers,
+    set_megatron_args,
+    timers_of,
+)
+from chameleon_megatron.training import lm_work
+from chameleon_megatron.training.lm_work import Entry
 from chameleon_megatron.training.loop_position import LoopPosition, end_of_job_due, work_due
 from chameleon_megatron.training.plugin import (
     AFTER_STEP,
@@ -65,16 +74,6 @@ class Providers:
     model_type: Any
 
 
-@dataclass
-class Entry:
-    """The arguments of ``train()`` the work after a step needs again."""
-
-    forward_step_func: Callable[..., Any]
-    process_non_loss_data_func: Any
-    checkpointing_context: Any
-    non_loss_data_func: Any
-
-
 class LMLoop(LoopPosition):
     """One rank's run of Megatron-LM's training loop, seen by plugins as a trainer."""
 
@@ -89,7 +88,7 @@ class LMLoop(LoopPosition):
         ``new_world(rank)`` tells the metrics file who its rank 0 is; ``set_args`` installs
         Megatron-LM's global arguments (``global_vars.set_args`` unless given)."""
         self._training = training
-        self._set_args = set_args or _megatron_set_args
+        self._set_args = set_args or set_megatron_args
         self.plugins = plugins
         self.providers = providers
         self._setup = setup
@@ -158,7 +157,7 @@ class LMLoop(LoopPosition):
         entry = Entry(forward_step_func, process_non_loss_data_func, checkpointing_context,
                       non_loss_data_func)
         args = self._training.get_args()
-        _timers_of(self._training.get_timers())  # what a recovery resets, checked first
+        timers_of(self._training.get_timers())  # what a recovery resets, checked first
         self.iteration, self.consumed_samples = args.iteration, args.consumed_train_samples
         self._flops = args.num_floating_point_operations_so_far
         if isinstance(checkpointing_context, dict):
@@ -175,7 +174,7 @@ class LMLoop(LoopPosition):
         groups and model and moves the survivors' state and position in; then it trains from
         there with the others (who re-enter ``train()`` at the same step), data iterators
         built at the agreed sample."""
-        _timers_of(self._training.get_timers())
+        timers_of(self._training.get_timers())
         if any(p.on_train_start(self) == "stop" for p in self.plugins):
             raise Leave()
         if not self.model:
@@ -266,8 +265,8 @@ class LMLoop(LoopPosition):
         # train() sets these again for its model; it refuses a no_sync_func left behind.
         self.config.no_sync_func = self.config.grad_sync_func = None
         self.config.param_sync_func = None
-        _reset_timers(self._training.get_timers())
-        _reset_rerun_state()
+        reset_timers(self._training.get_timers())
+        reset_rerun_state()
         return args
 
     def _iterators_at_mark(self, args: Any) -> tuple[Any, Any, Any]:
@@ -323,16 +322,14 @@ class LMLoop(LoopPosition):
             if not work_due(args, it, phase, final_save=False):
                 continue
             if phase == "eval":
-                self._training.evaluate_and_print_results(
-                    f"iteration {it}", entry.forward_step_func,
-                    self.current(self._originals[1]), self.model, it,
-                    entry.process_non_loss_data_func, self.config, verbose=False,
-                    write_to_tensorboard=True, non_loss_data_func=entry.non_loss_data_func)
+                lm_work.evaluate(self._training, entry, self._trained())
             if phase == "save":
-                self._training.save_checkpoint_and_time(
-                    it, self.model, self.optimizer, self.scheduler, self._flops,
-                    entry.checkpointing_context,
-                    train_data_iterator=self.current(self._originals[0]))
+                lm_work.save(self._training, entry, self._trained(), final=False)
+
+    def _trained(self) -> lm_work.Trained:
+        return lm_work.Trained(self.model, self.optimizer, self.scheduler, self.config,
+                               self.iteration, self._flops,
+                               tuple(self.current(it) for it in self._originals))
 
     # ----------------------------------------------------------------- after the loop
     def _end_of_job_redo(self) -> str:
@@ -359,26 +356,18 @@ class LMLoop(LoopPosition):
             for plugin in self.plugins:
                 plugin.on_end_of_job(phase, it)
             self.after_step = phase
-            self._run_end_of_job(entry, phase, it)
+            self._run_end_of_job(entry, phase)
             self.after_step = ""  # a failure leaves the phase set: the recovery agrees on it
             if phase not in self._done_at_end:  # once, though redone after a recovery
                 self._done_at_end.append(phase)
 
-    def _run_end_of_job(self, entry: Entry, phase: str, it: int) -> None:
+    def _run_end_of_job(self, entry: Entry, phase: str) -> None:
         """Megatron-LM's own call of ``phase``, with the objects trained now."""
-        args, training = self._training.get_args(), self._training
         if phase == "final-save":
-            training.save_checkpoint(
-                it, self.model, self.optimizer, self.scheduler, self._flops,
-                entry.checkpointing_context, train_data_iterator=self.current(self._originals[0]),
-                preprocess_common_state_dict_fn=training.preprocess_common_state_dict)
-            return
-        which, iterator = (("validation", self._originals[1]) if phase == "final-eval"
-                           else ("test", self._originals[2]))
-        training.evaluate_and_print_results(
-            f"iteration {it} on {which} set", entry.forward_step_func, self.current(iterator),
-            self.model, it, entry.process_non_loss_data_func, self.config, verbose=True,
-            write_to_tensorboard=not args.skip_train, non_loss_data_func=entry.non_loss_data_func)
+            lm_work.save(self._training, entry, self._trained(), final=True)
+        else:
+            lm_work.evaluate(self._training, entry, self._trained(),
+                             "validation" if phase == "final-eval" else "test")
 
     def skips_end_of_job(self, phase: str) -> bool:
         """Whether pretrain()'s call of ``phase`` ("save" or "eval") after ``train()``
@@ -470,10 +459,10 @@ class LMLoop(LoopPosition):
         vars(staged).update(layout)
         self._set_args(staged)
         try:
-            _reconfigure_microbatches(staged)
+            reconfigure_microbatches(staged)
             yield staged
         except BaseException:
-            _reconfigure_microbatches(standing)
+            reconfigure_microbatches(standing)
             raise
         finally:
             self._set_args(standing)
@@ -528,49 +517,3 @@ class LMLoop(LoopPosition):
             extra={"optimizer": self.optimizer, "opt_param_scheduler": self.scheduler,
                    **self.hints},
         )
-
-
-def _timers_of(timers: Any) -> dict[str, Any]:
-    """Megatron's timers by name: ``Timers`` keeps them in ``_timers``, each saying whether it
-    runs in ``_started`` (0.16 to 0.19). A release that changes that is refused by name when
-    ``train()`` is first entered, not at a recovery."""
-    found = getattr(timers, "_timers", None)
-    if not isinstance(found, dict) or not all(
-            isinstance(getattr(t, "_started", None), bool) for t in found.values()):
-        raise RuntimeError(
-            f"megatron's {type(timers).__name__} keeps no _timers of Timer objects with "
-            "_started: the timers a failure left running cannot be stopped in this release")
-    return found
-
-
-def _reset_timers(timers: Any) -> None:
-    """Stop the timers a failure left running: train() starts its interval timer again, and
-    megatron's timers refuse a second start."""
-    for timer in _timers_of(timers).values():
-        if timer._started:
-            timer.reset()
-
-
-def _reset_rerun_state() -> None:
-    """A failed step leaves megatron's rerun state machine inside its run of the step: the
-    redo must start one afresh (the machine refuses to run it again otherwise)."""
-    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-
-    get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
-
-
-def _megatron_set_args(args: Any) -> None:
-    from megatron.training.global_vars import set_args
-
-    set_args(args)
-
-
-def _reconfigure_microbatches(args: Any) -> None:
-    """Megatron's microbatch calculator for the data-parallel size ``args`` states."""
-    from megatron.core.num_microbatches_calculator import (
-        reconfigure_num_microbatches_calculator,
-    )
-
-    reconfigure_num_microbatches_calculator(
-        args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-        args.data_parallel_size, args.decrease_batch_size_if_needed)

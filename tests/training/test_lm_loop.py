@@ -17,7 +17,8 @@ import torch
 from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
-from chameleon_megatron.training.lm_loop import Entry, Leave, LMLoop, Providers
+from chameleon_megatron.training.lm_loop import Leave, LMLoop, Providers
+from chameleon_megatron.training.lm_work import Entry
 from chameleon_megatron.training.loop_position import StepNotRedone
 from chameleon_megatron.training.plugin import TrainerPlugin
 
@@ -376,15 +377,15 @@ def test_an_abandoned_step_is_redone_alone_and_refused_when_peers_cannot_agree(m
 def test_the_timers_a_failure_left_running_are_stopped_and_a_changed_timers_is_refused():
     from megatron.core.timers import Timers as MegatronTimers
 
-    from chameleon_megatron.training.lm_loop import _reset_timers
+    from chameleon_megatron.training.lm_globals import reset_timers
 
     timers = MegatronTimers(0, "max")
     timers("interval-time").start()
-    _reset_timers(timers)
+    reset_timers(timers)
     timers("interval-time").start()  # megatron's own Timer refuses a second start
     for changed in (types.SimpleNamespace(), types.SimpleNamespace(_timers={"t": object()})):
         with pytest.raises(RuntimeError, match="keeps no _timers of Timer objects"):
-            _reset_timers(changed)
+            reset_timers(changed)
     fake = Megatron()
     fake.timers = types.SimpleNamespace()  # a release whose Timers moved its state
     with pytest.raises(RuntimeError, match="keeps no _timers"):
