@@ -29,6 +29,7 @@ import torch
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron.ddp_release import release_grad_hooks
+from chameleon_megatron.training import lm_work
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.lm_globals import (
@@ -38,7 +39,6 @@ from chameleon_megatron.training.lm_globals import (
     set_megatron_args,
     timers_of,
 )
-from chameleon_megatron.training import lm_work
 from chameleon_megatron.training.lm_work import Entry
 from chameleon_megatron.training.loop_position import LoopPosition, end_of_job_due, work_due
 from chameleon_megatron.training.plugin import (

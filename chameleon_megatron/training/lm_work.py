@@ -42,7 +42,7 @@ def evaluate(training: ModuleType, entry: Entry, now: Trained, which: str = "") 
     training.evaluate_and_print_results(
         label, entry.forward_step_func, iterator, now.model, now.iteration,
         entry.process_non_loss_data_func, now.config, verbose=bool(which),
-        write_to_tensorboard=not (which and training.get_args().skip_train),
+        write_to_tensorboard=not which or not training.get_args().skip_train,
         non_loss_data_func=entry.non_loss_data_func)
 
 
