@@ -62,7 +62,6 @@ COMPONENTS = (MetricsConfig, SwapConfig, ResilienceConfig)
 PROG = "pretrain_gpt.py"
 PRETRAIN_PARAMS = ("train_valid_test_dataset_provider", "model_provider", "model_type")
 """What a recovery takes from pretrain()'s arguments (``Providers``, in order)."""
-PLANS_REFUSED = "Megatron-LM's pretrain_gpt.py trains megatron layouts only"
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -123,10 +122,6 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
             raise ConfigError(f"{JOIN_ENV} is set (a joiner) but --chameleon-ft is not: only "
                               "a fault-tolerant job admits new members")
         return
-    if ft.strategy == "reroute":  # rerouting runs on the plan runtime
-        raise ConfigError(f"ft.strategy='reroute': {PLANS_REFUSED}, so every recovery "
-                          "re-plans to one; use chameleon-pretrain-gpt to reroute, or "
-                          "--chameleon-ft-strategy adaptive or replan")
     refused = first_refused(ft_limits(margs))
     if refused is not None:
         raise ConfigError(f"--chameleon-ft: {refused}")
@@ -135,11 +130,11 @@ def check_supported(config: ChameleonConfig, margs: argparse.Namespace) -> None:
 
 
 def plugins_for(config: ChameleonConfig) -> list[TrainerPlugin]:
-    """Plugins of the enabled subsystems: those chameleon's own trainer builds; recoveries
-    re-plan to megatron layouts (Megatron-LM's loop has no plan runtime)."""
+    """Plugins of the enabled subsystems: those chameleon's own trainer builds (a plan's
+    steps run through ``training.lm_plan``)."""
     from chameleon_megatron.pretrain_gpt import build_plugins
 
-    return build_plugins(config, plans_refused=PLANS_REFUSED)
+    return build_plugins(config)
 
 
 def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,18 +29,15 @@ logger = logging.getLogger("chameleon_megatron.pretrain_gpt")
 PROG = "chameleon-pretrain-gpt"
 
 
-def build_plugins(cfg: ChameleonConfig, *,
-                  plans_refused: str | None = None) -> list["TrainerPlugin"]:
-    """The Chameleon subsystems this run enables, in the order their hooks nest.
-    ``plans_refused``: why the entry cannot train layouts megatron's parallel state does not
-    express (recoveries then re-plan to megatron layouts only); None: it can."""
+def build_plugins(cfg: ChameleonConfig) -> list["TrainerPlugin"]:
+    """The Chameleon subsystems this run enables, in the order their hooks nest."""
     plugins: list["TrainerPlugin"] = []
     if cfg.ft.enabled:  # outermost: its step time includes the others' work
         from chameleon_megatron.resilience.recovery.plugin import ResiliencePlugin
         from chameleon_megatron.swap.config import planned_bandwidth
 
-        plugins.append(ResiliencePlugin(cfg.ft, swap_bandwidth_Bps=planned_bandwidth(cfg.swap),
-                                        plans_refused=plans_refused))
+        plugins.append(ResiliencePlugin(cfg.ft,
+                                        swap_bandwidth_Bps=planned_bandwidth(cfg.swap)))
     if cfg.swap.enabled:
         from chameleon_megatron.swap.plugin import SwapPlugin
 

@@ -58,7 +58,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
         ("input_tensor", "forward_data_store", "config", "cp_group_size", "current_microbatch",
          "is_last_stage"),
     "pipeline_parallel.schedules.backward_step": ("input_tensor", "output_tensor",
-                                                  "output_tensor_grad", "model_type", "config"),
+                                                  "output_tensor_grad", "config"),
     "models.gpt.GPTModel": ("pg_collection",),
     "tensor_parallel.model_parallel_cuda_manual_seed": ("tp_rank", "ep_rank", "etp_rank"),
     "optimizer.clip_grads.clip_grad_by_total_norm_fp32": ("parameters", "max_norm",
@@ -70,8 +70,9 @@ NEEDS: dict[str, tuple[str, ...]] = {
 passes them by name."""
 
 
-def check_plan_seams() -> None:
-    """RuntimeError naming the first callable whose parameters do not fit."""
+def plan_seams_refusal() -> str | None:
+    """Why this megatron-core cannot run the plan runtime (the first callable whose
+    parameters do not fit), or None when it can."""
     import importlib
 
     from megatron.core import __version__ as mcore_version
@@ -82,10 +83,17 @@ def check_plan_seams() -> None:
         have = set(inspect.signature(target).parameters) if target is not None else set()
         missing = [p for p in params if p not in have]
         if target is None or missing:
-            raise RuntimeError(
-                f"megatron-core {mcore_version}: megatron.core.{path} lacks "
-                f"{', '.join(missing) or 'itself'}; heterogeneous pipelines and rerouting need "
-                "it (see docs/heterogeneous.md)")
+            return (f"megatron-core {mcore_version}: megatron.core.{path} lacks "
+                    f"{', '.join(missing) or 'itself'}; heterogeneous pipelines and rerouting "
+                    "need it (see docs/heterogeneous.md)")
+    return None
+
+
+def check_plan_seams() -> None:
+    """RuntimeError naming the first callable whose parameters do not fit."""
+    refusal = plan_seams_refusal()
+    if refusal is not None:
+        raise RuntimeError(refusal)
 
 
 def stage_groups(solo: dist.ProcessGroup, tp: dist.ProcessGroup, pipeline: Any) -> Any:
@@ -204,8 +212,10 @@ def backward_one(input_tensor: torch.Tensor | None, output: torch.Tensor,
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.utils import get_model_type
 
-    return schedules.backward_step(input_tensor, output, output_grad, get_model_type(model),
-                                   config)
+    if "model_type" in inspect.signature(schedules.backward_step).parameters:  # before 0.19
+        return schedules.backward_step(input_tensor, output, output_grad,
+                                       get_model_type(model), config)
+    return schedules.backward_step(input_tensor, output, output_grad, config)
 
 
 def stage_ddp_groups(dp: dist.ProcessGroup, solo: dist.ProcessGroup, tp: dist.ProcessGroup,

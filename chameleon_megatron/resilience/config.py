@@ -22,6 +22,8 @@ class ResilienceConfig:
     """Prior estimate of the mean time between failures of the job, in seconds."""
     strategy: Literal["adaptive", "reroute", "replan"] = "adaptive"
     """Recovery strategy: pick by score (adaptive) or force one."""
+    plans: bool = True
+    """Recoveries may run layouts megatron's parallel state cannot express (rerouting around dead ranks, pipelines of different depths) through the plan runtime; false: megatron layouts only. On Megatron-LM's pretrain_gpt.py a plan defers evaluations and checkpoints until a megatron layout returns."""
     keep_replicas: bool = True
     """A re-plan keeps two or more pipelines where such a layout fits memory, so that every stage's state has a copy when the next failure comes (one pipeline leaves only the checkpoint); false: the fastest layout, even a single pipeline."""
     inject_fault: tuple[str, ...] = dataclasses.field(
@@ -79,6 +81,8 @@ class ResilienceConfig:
                 parse_fault(text)
             except ValueError as exc:
                 raise ConfigError(f"ft.inject_fault={text!r}: {exc}") from None
+        check(self.plans or self.strategy != "reroute", "ft.strategy", self.strategy,
+              "reroutes through the plan runtime, which ft.plans=false turns off")
         check(self.enabled or not self.join, "ft.join", self.join,
               "joins a fault-tolerant job: give --chameleon-ft too")
         check(self.enabled or not self.inject_fault, "ft.inject_fault", self.inject_fault,

@@ -67,7 +67,8 @@ WRAPPED = ("setup_model_and_optimizer", "build_train_valid_test_data_iterators",
 USED = WRAPPED + ("get_args", "get_timers", "mpu", "get_model_config", "get_num_microbatches",
                   "load_checkpoint", "save_checkpoint_and_time",
                   "num_floating_point_operations", "preprocess_common_state_dict",
-                  "print_datetime")
+                  "print_datetime", "get_optimizer_param_scheduler",
+                  "build_train_valid_test_datasets")
 """Every name of megatron.training.training the hook relies on."""
 
 

@@ -29,7 +29,7 @@ import torch
 
 from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron.ddp_release import release_grad_hooks
-from chameleon_megatron.training import lm_work
+from chameleon_megatron.training import lm_plan, lm_work
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.lm_globals import (
@@ -105,6 +105,9 @@ class LMLoop(LoopPosition):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.config: Any = None
+        self.engine: Any = None
+        """The plan's step engine while a plan runs (``lm_plan``); None: a megatron layout."""
+        self._plan_data: lm_plan.PlanData | None = None
         self._device = torch.device("cpu")
         """Where the model was, kept over ``drop_layout``."""
         self.hints: dict[str, Any] = {}
@@ -195,12 +198,15 @@ class LMLoop(LoopPosition):
                 if not start:
                     if self._redo_after:
                         self._after_step_work(entry, self._take_redo_after())
-                    result = original(entry.forward_step_func, self.model, self.optimizer,
-                                      self.scheduler, self.current(train_iterator),
-                                      self.current(valid_iterator),
-                                      entry.process_non_loss_data_func, self.config,
-                                      entry.checkpointing_context, entry.non_loss_data_func,
-                                      *rest, **named)
+                    if self.engine is not None:
+                        self._plan_train()
+                    else:
+                        result = original(entry.forward_step_func, self.model, self.optimizer,
+                                          self.scheduler, self.current(train_iterator),
+                                          self.current(valid_iterator),
+                                          entry.process_non_loss_data_func, self.config,
+                                          entry.checkpointing_context,
+                                          entry.non_loss_data_func, *rest, **named)
                     self._ended_at, start = self.iteration, END_OF_JOB[0]
                 self._end_of_job(entry, start)
                 self._returned = True
@@ -247,8 +253,12 @@ class LMLoop(LoopPosition):
             self._final_valid = valid_samples
 
     def _reentry(self) -> None:
-        """Where train() starts again: the agreed step, its sample, fresh data iterators."""
-        fresh = self._iterators_at_mark(self._at_position())
+        """Where train() starts again: the agreed step, its sample, fresh data iterators
+        (a plan reads its data by sample, ``lm_plan``)."""
+        args = self._at_position()
+        if self.engine is not None:
+            return
+        fresh = self._iterators_at_mark(args)
         self._iterators = {id(old): new for old, new in zip(self._originals, fresh)
                            if old is not None}
 
@@ -262,9 +272,9 @@ class LMLoop(LoopPosition):
             args.consumed_valid_samples = self._valid_mark[1]
         if self._redo_after == "final-eval":  # the final evaluation's batches again
             args.consumed_valid_samples = self._final_valid
-        # train() sets these again for its model; it refuses a no_sync_func left behind.
-        self.config.no_sync_func = self.config.grad_sync_func = None
-        self.config.param_sync_func = None
+        if self.engine is None:  # train() sets them again; it refuses a no_sync_func left
+            self.config.no_sync_func = self.config.grad_sync_func = None
+            self.config.param_sync_func = None
         reset_timers(self._training.get_timers())
         reset_rerun_state()
         return args
@@ -289,12 +299,7 @@ class LMLoop(LoopPosition):
         first step of an entry), then where the step starts."""
         args = self._training.get_args()
         if args.curr_iteration > args.iteration:
-            changes = self._changes
-            actions = [plugin.between_steps(self) for plugin in self.plugins]
-            if "stop" in actions:
-                raise Leave()
-            if self._changes != changes:
-                raise Reenter()
+            self._between_steps()
         self.iteration, self.consumed_samples = args.curr_iteration, args.consumed_train_samples
 
     def step_applied(self, samples: int, flops: float) -> None:
@@ -321,10 +326,56 @@ class LMLoop(LoopPosition):
         for phase in AFTER_STEP[AFTER_STEP.index(start):]:
             if not work_due(args, it, phase, final_save=False):
                 continue
-            if phase == "eval":
+            if self.engine is not None:
+                self._defer(phase)
+            elif phase == "eval":
                 lm_work.evaluate(self._training, entry, self._trained())
             if phase == "save":
                 lm_work.save(self._training, entry, self._trained(), final=False)
+
+    def _plan_train(self) -> None:
+        """Megatron-LM's ``train()`` while a plan runs (``lm_plan``): its steps through the
+        plan's engine, the plugins' work between them; the work after a step is deferred."""
+        args, first = self._training.get_args(), True
+        while self.iteration < args.train_iters:
+            if not first:
+                self._between_steps()
+            first = False
+            gbs = args.global_batch_size
+            applied, seconds = lm_plan.train_step(
+                self.engine, self._plan_data, self.plugins, iteration=self.iteration,
+                consumed=self.consumed_samples, gbs=gbs)
+            if not applied.skipped:
+                self.scheduler.step(increment=gbs)
+            self.step_applied(gbs, self._training.num_floating_point_operations(args, gbs))
+            record = lm_plan.iteration_record(
+                self.engine, applied, iteration=self.iteration, consumed=self.consumed_samples,
+                gbs=gbs, step_time=seconds, world_size=self.world_size,
+                lr=self.optimizer.param_groups[0]["lr"])
+            for plugin in self.plugins:
+                record.update(plugin.metrics())
+            self._emit(record)
+            if self.rank == 0:
+                logger.info("iteration %d/%d (plan %s) | lm loss: %.6E", self.iteration,
+                            args.train_iters, record["layout"].get("plan"), record["loss"])
+            for phase in ("eval", "save"):
+                if work_due(args, self.iteration, phase, final_save=False):
+                    self._defer(phase)
+
+    def _between_steps(self) -> None:
+        """The plugins' work between two steps; a layout change unwinds the loop."""
+        changes = self._changes
+        if "stop" in [plugin.between_steps(self) for plugin in self.plugins]:
+            raise Leave()
+        if self._changes != changes:
+            raise Reenter()
+
+    def _defer(self, phase: str) -> None:
+        """A plan defers the work after a step (``lm_plan.DEFERRED``)."""
+        self._emit(lm_plan.deferred_record(phase, self.iteration))
+        if self.rank == 0:
+            logger.warning("the %s after step %d is skipped: %s", phase, self.iteration,
+                           lm_plan.DEFERRED)
 
     def _trained(self) -> lm_work.Trained:
         return lm_work.Trained(self.model, self.optimizer, self.scheduler, self.config,
@@ -363,7 +414,9 @@ class LMLoop(LoopPosition):
 
     def _run_end_of_job(self, entry: Entry, phase: str) -> None:
         """Megatron-LM's own call of ``phase``, with the objects trained now."""
-        if phase == "final-save":
+        if self.engine is not None:
+            self._defer(phase)
+        elif phase == "final-save":
             lm_work.save(self._training, entry, self._trained(), final=True)
         else:
             lm_work.evaluate(self._training, entry, self._trained(),
@@ -420,10 +473,22 @@ class LMLoop(LoopPosition):
         self.config.param_sync_func = None
         release_grad_hooks(self.model)
         self.model, self.optimizer, self.scheduler = [], None, None
+        self.engine = None
 
     def use_engine(self, engine: Any, *, rank: int, world_size: int,
                    hints: dict[str, Any] | None = None) -> None:
-        raise RuntimeError("Megatron-LM's loop trains megatron layouts only (no plan runtime)")
+        """Train through a plan's ``engine`` from now on (``lm_plan``), with a fresh
+        Megatron-LM LR schedule on its optimizer and Megatron-LM's datasets on this rank
+        (collective). Groups and moving state in are the caller's, as for ``rebuild``."""
+        self._plan_data = lm_plan.plan_data(self._training, self.providers.dataset_provider)
+        self.engine = engine
+        self.model, self.optimizer, self.config = list(engine.model), engine.optimizer, \
+            engine.config
+        self.scheduler = self._training.get_optimizer_param_scheduler(engine.optimizer)
+        self.hints = dict(hints or {})
+        self._new_world(rank)
+        self._changes += 1
+        self._announce(self.context())
 
     def rebuild(self, *, tp: int, pp: int, rank: int, world_size: int,
                 hints: dict[str, Any] | None = None) -> None:
@@ -440,6 +505,7 @@ class LMLoop(LoopPosition):
         with self._arguments_for(layout) as staged:
             built = self._setup_without_load(staged)
         self.built(*built)
+        self.engine = None
         for cached in ("save_strategy", "load_strategy"):  # made for the old groups
             self._checkpointing.pop(cached, None)
         self.hints = dict(hints or {})
@@ -506,6 +572,13 @@ class LMLoop(LoopPosition):
 
     def context(self) -> TrainContext:
         mpu, args = self._training.mpu, self._training.get_args()
+        extra = {"optimizer": self.optimizer, "opt_param_scheduler": self.scheduler,
+                 **self.hints}
+        if self.engine is not None:
+            return TrainContext(model=list(self.model), config=self.config, args=args,
+                                device=self.device, rank=self.rank, vpp_size=1, extra=extra,
+                                pipeline_group=self.engine.pipeline_group(),
+                                **self.engine.position())
         return TrainContext(
             model=list(self.model), config=self.config, args=args, device=self.device,
             rank=self.rank, tp_rank=mpu.get_tensor_model_parallel_rank(),
@@ -513,7 +586,5 @@ class LMLoop(LoopPosition):
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
             dp_rank=mpu.get_data_parallel_rank(),
             vpp_size=args.virtual_pipeline_model_parallel_size or 1,
-            pipeline_group=mpu.get_pipeline_model_parallel_group(),
-            extra={"optimizer": self.optimizer, "opt_param_scheduler": self.scheduler,
-                   **self.hints},
+            pipeline_group=mpu.get_pipeline_model_parallel_group(), extra=extra,
         )

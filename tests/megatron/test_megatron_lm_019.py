@@ -131,17 +131,35 @@ def test_a_killed_rank_recovers_with_the_losses_of_megatron_lms_failure_free_run
     re-enter its train(). Against
     Megatron-LM's failure-free run of the same job (torchrun, no fault tolerance): every step
     once, every loss within 1e-4."""
-    from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
+    from test_megatron_lm_ft import JOB, MEGATRON_ONLY, TOLERANCE, killed_against_plain
 
     ckpt, env = checkout
     patch.apply(ckpt)
     steps, done = killed_against_plain(checkout, tmp_path, JOB,
                                        "rank=1,iteration=3,phase=backward,kind=exit",
-                                       abs=TOLERANCE)
+                                       abs=TOLERANCE, ft=MEGATRON_ONLY)
     assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
     assert done["migrated_bytes"] > 0  # the state came from the surviving replica
     # the new layout (PP1 x DP2, one spare) is a model the config container had to describe anew
     assert [(r["layout"]["pp"], r["layout"]["dp"]) for r in steps] == [(2, 2)] * 2 + [(1, 2)] * 4
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+def test_a_plan_runs_on_0_19s_loop_with_the_failure_free_losses(checkout, tmp_path,
+                                                                strategy, mode):
+    """test_megatron_lm_plans on this release: PP2 x DP2, rank 1 killed in step 3, the
+    forced strategy runs through the plan runtime with 0.19's datasets (its provider) and LR
+    schedule; every step once, every loss within 1e-4 of 0.19's failure-free run."""
+    from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
+
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    steps, done = killed_against_plain(checkout, tmp_path, JOB,
+                                       "rank=1,iteration=3,phase=forward,kind=exit",
+                                       abs=TOLERANCE, ft=("--chameleon-ft-strategy", strategy))
+    assert (done["decision"]["executed"], done["layout_after"]["mode"]) == (strategy, mode)
+    assert [r["world_size"] for r in steps] == [4, 4, 3, 3, 3, 3]
 
 
 @pytest.mark.serial

@@ -38,6 +38,9 @@ TOLERANCE = 1e-4
 """Loss difference allowed against the failure-free run (a new layout sums in another order)."""
 BF16_TOLERANCE = 1e-3
 """Relative, in bf16: the new layout sums gradients over other data-parallel groups."""
+MEGATRON_ONLY = ("--no-chameleon-ft-plans",)
+"""For the tests of megatron layouts: the evaluations and checkpoints they check are deferred
+while a plan runs (plans: test_megatron_lm_plans.py)."""
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
 FINAL = re.compile(r"validation loss at iteration (\d+) on (validation|test) set \| "
                    r"lm loss value: (\S+)")
@@ -103,7 +106,7 @@ def test_two_failures_recover_in_memory_with_the_losses_of_the_failure_free_run(
     written in every layout."""
     losses, validation, _ = reference
     records, log = launch(
-        checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+        checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft", *MEGATRON_ONLY,
         "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
         "--chameleon-inject-fault", "rank=1,iteration=3,phase=eval,kind=exit",
         "--chameleon-inject-fault", "rank=2,iteration=5,phase=forward,kind=exit")
@@ -142,14 +145,15 @@ def test_state_without_a_surviving_copy_comes_from_megatron_lms_checkpoint(
     assert "resumed from the checkpoint of iteration 2" in log
 
 
-def killed_against_plain(checkout, tmp_path, job: list[str], fault: str,
-                         **approx: float) -> tuple[list[dict], dict]:
-    """Megatron-LM's failure-free run of ``job`` on 4 ranks, then the same job with
-    ``--chameleon-ft`` and ``fault``: every step once, each loss ``pytest.approx`` the
-    failure-free one (``approx``: its tolerance). Returns the job's steps and its recovery."""
-    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
-    records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
-                        "--chameleon-inject-fault", fault, job=job)
+def killed_against_plain(checkout, tmp_path, job: list[str], fault: str, *, nproc: int = 4,
+                         ft: tuple[str, ...] = (), **approx: float) -> tuple[list[dict], dict]:
+    """Megatron-LM's failure-free run of ``job`` on ``nproc`` ranks, then the same job with
+    ``--chameleon-ft`` (and ``ft``) and ``fault``: every step once, each loss
+    ``pytest.approx`` the failure-free one (``approx``: its tolerance). Returns the job's
+    steps and its recovery."""
+    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", nproc, ft=False, job=job)[0])
+    records, _ = launch(checkout, tmp_path / "ft.jsonl", nproc, "--chameleon-ft",
+                        "--chameleon-inject-fault", fault, *ft, job=job)
     steps = iterations(records)
     assert [r["iteration"] for r in steps] == [r["iteration"] for r in plain]
     for got, want in zip(steps, plain):
@@ -166,7 +170,7 @@ def test_a_bf16_tensor_parallel_job_recovers_with_the_failure_free_losses(checko
     job = [*MODEL, "--tensor-model-parallel-size", "2", "--bf16"]
     steps, done = killed_against_plain(checkout, tmp_path, job,
                                        "rank=3,iteration=4,phase=backward,kind=exit",
-                                       rel=BF16_TOLERANCE)
+                                       rel=BF16_TOLERANCE, ft=MEGATRON_ONLY)
     assert [r["layout"]["dp"] for r in steps] == [2, 2, 2, 1, 1, 1]
     assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([3], None, 4)
     lay = done["layout_after"]
@@ -238,7 +242,7 @@ def killed_at_the_end(checkout, reference, tmp_path, fault: str,
     end-of-job evaluations equal to the failure-free ones (redone ones included). Returns
     the recovery and the job's output."""
     losses, _, finals = reference
-    records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+    records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft", *MEGATRON_ONLY,
                           "--chameleon-inject-fault", fault, *extra)
     steps = iterations(records)
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]
@@ -312,7 +316,7 @@ PACED = range(4, 14)
 to start) is admitted well before the last step."""
 JOIN_JOB = [*JOB[:JOB.index("--train-iters") + 1], str(JOIN_ITERS),
             *JOB[JOB.index("--train-iters") + 2:]]
-JOIN_FT = ["--chameleon-ft", "--chameleon-inject-fault",
+JOIN_FT = ["--chameleon-ft", *MEGATRON_ONLY, "--chameleon-inject-fault",
            "rank=3,iteration=3,phase=forward,kind=exit",
            *(a for i in PACED for a in ("--chameleon-inject-fault",
                                         f"rank=0,iteration={i},phase=forward,kind=slow,seconds=3"))]

@@ -203,24 +203,22 @@ MARGS = argparse.Namespace(num_layers_per_virtual_pipeline_stage=None, rampup_ba
                            expert_model_parallel_size=1, train_iters=10)
 
 
-def test_plugins_follow_the_config_and_recover_to_megatron_layouts(monkeypatch):
+def test_plugins_follow_the_config(monkeypatch):
     assert megatron_lm.plugins_for(build_config({})) == []
     swap = megatron_lm.plugins_for(build_config({"swap": {"enabled": True}}))
     assert [type(p).__name__ for p in swap] == ["SwapPlugin"]
     ft = megatron_lm.plugins_for(build_config({"ft": {"enabled": True}}))
-    # Megatron-LM's loop has no plan runtime: the decision center re-plans to its layouts.
-    assert [(type(p).__name__, p.plans_refused) for p in ft] == [
-        ("ResiliencePlugin", megatron_lm.PLANS_REFUSED)]
+    assert [type(p).__name__ for p in ft] == ["ResiliencePlugin"]
     megatron_lm.check_supported(build_config({"swap": {"enabled": True}}), MARGS)
     with pytest.raises(ConfigError, match="needs the chameleon-run launcher"):
         megatron_lm.check_supported(build_config({"ft": {"enabled": True}}), MARGS)
     monkeypatch.setenv(AGENT_ENV, "1")
     megatron_lm.check_supported(build_config({"ft": {"enabled": True}}), MARGS)
+    reroute = build_config({"ft": {"enabled": True, "strategy": "reroute"}})
+    megatron_lm.check_supported(reroute, MARGS)  # rerouting runs (training.lm_plan)
 
 
 @pytest.mark.parametrize("ft, margs, message", [
-    ({"strategy": "reroute"}, {}, "ft.strategy='reroute': Megatron-LM's pretrain_gpt.py "
-     "trains megatron layouts only, so every recovery re-plans to one"),
     ({}, {"rampup_batch_size": [8, 8, 100]}, "--chameleon-ft: --rampup-batch-size"),
     ({}, {"num_layers_per_virtual_pipeline_stage": 1}, "interleaved pipelines"),
     ({}, {"num_virtual_stages_per_pipeline_rank": 2}, "interleaved pipelines"),

@@ -131,6 +131,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, checkpointing_context
     raise AssertionError("nothing to load")
 
 
+def get_optimizer_param_scheduler(optimizer):  # a plan's schedule: no plan runs here
+    raise AssertionError("no plan runs in the stand-in")
+
+
+def build_train_valid_test_datasets(provider):  # a plan's data
+    raise AssertionError("no plan runs in the stand-in")
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far, checkpointing_context=None,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None):
@@ -311,8 +319,7 @@ def test_patched_script_help_lists_the_chameleon_flags_it_supports(standin):
      "ft.shard_replica_interval=0: must be >= 1"),
     (["--chameleon-swap", "JOINER"], "CHAMELEON_FT_JOIN_ID is set (a joiner) but --chameleon-ft "
      "is not"),
-    (["PRESET", "AGENT"], "ft.strategy='reroute': Megatron-LM's pretrain_gpt.py trains "
-     "megatron layouts only"),
+    (["PRESET", "AGENT"], "ft.shard_replica_interval=0: must be >= 1"),  # the preset is read
     (["--chameleon-ft", "--context-parallel-size", "2", "AGENT"],
      "--chameleon-ft: --context-parallel-size 2: recovery rebuilds tensor, pipeline and data "
      "parallelism only"),
@@ -326,7 +333,7 @@ def test_what_this_path_cannot_run_is_refused_in_one_line_before_the_model(
         standin, tmp_path, flags, message):
     ckpt, env = standin
     preset = tmp_path / "ft.yaml"
-    preset.write_text("ft:\n  enabled: true\n  respawns: 2\n  strategy: reroute\n")
+    preset.write_text("ft:\n  enabled: true\n  respawns: 2\n  shard_replica_interval: 0\n")
     agent = {AGENT_ENV: "1"} if "AGENT" in flags else {}  # as if under chameleon-run
     agent |= {JOIN_ENV: "4"} if "JOINER" in flags else {}  # as if a restarted worker
     flags = [f for f in flags if f not in ("AGENT", "JOINER")]

@@ -93,6 +93,8 @@ def build_stage_model(args: argparse.Namespace, plan: Plan,
     slot = groups.slot
     pipe = plan.pipelines[slot.pipeline]
     kernels = available_kernels()
+    if getattr(args, "transformer_impl", None) == "local":  # Megatron-LM's choice of spec
+        kernels = dataclasses.replace(kernels, transformer_engine=False)
     config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels,
                           tp=plan.tp)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)

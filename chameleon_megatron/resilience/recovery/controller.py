@@ -121,14 +121,12 @@ class RecoveryController:
 
     def __init__(self, *, job: JobStore, detector: FailureDetector, injector: FaultInjector,
                  ft: ResilienceConfig, me: int, plan: Plan | None, backend: str,
-                 swap_bandwidth_Bps: float = 0.0, plans_refused: str | None = None,
-                 shards: ShardReplicas | None = None, teardown: Teardown | None = None) -> None:
+                 swap_bandwidth_Bps: float = 0.0, shards: ShardReplicas | None = None,
+                 teardown: Teardown | None = None) -> None:
         """``plan``: the layout launched, over launch ranks (None: this process joins a
         running job and learns the layout when admitted). ``swap_bandwidth_Bps``: the job
         swaps activations (``--chameleon-swap``) at this bandwidth, so a layout whose stages
-        are over device memory may swap to fit (0: it does not swap). ``plans_refused``: why
-        the trainer cannot run the plan runtime (then every recovery re-plans to a megatron
-        layout); None: it can. ``shards``: the job uses the distributed optimizer, whose
+        are over device memory may swap to fit (0: it does not swap). ``shards``: the job uses the distributed optimizer, whose
         state is recovered from these copies (``refresh_shards``). ``teardown``: how this
         process leaves its groups (default: torch's, keeping the job store's connections)."""
         self.job = job
@@ -180,8 +178,7 @@ class RecoveryController:
         self._steady_peaks: dict[str, int | None] = {}
         """This rank's memory peaks from the end of the last recovery to this one."""
         self.decider = Decider(job=job, detector=detector, feedback=self.feedback, ft=ft, me=me,
-                               swap_bandwidth_Bps=swap_bandwidth_Bps,
-                               plans_refused=plans_refused)
+                               swap_bandwidth_Bps=swap_bandwidth_Bps)
         """The decisions this rank makes as the leader (and precomputes between steps)."""
 
     def watch(self) -> RecoveryController:

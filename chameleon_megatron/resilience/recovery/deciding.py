@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from chameleon_megatron.megatron.plan_seams import plan_seams_refusal
 from chameleon_megatron.resilience.config import ResilienceConfig
 from chameleon_megatron.resilience.decision.center import (
     DecisionCandidates,
@@ -70,8 +71,7 @@ class Decider:
     """One rank's decisions as the leader: made at a recovery, precomputed between steps."""
 
     def __init__(self, *, job: JobStore, detector: FailureDetector, feedback: Feedback,
-                 ft: ResilienceConfig, me: int, swap_bandwidth_Bps: float = 0.0,
-                 plans_refused: str | None = None) -> None:
+                 ft: ResilienceConfig, me: int, swap_bandwidth_Bps: float = 0.0) -> None:
         """``detector``: measures the step time; ``feedback``: the layouts' measured step
         times against their estimates (both feed the runtime profile). The others: as
         ``RecoveryController``."""
@@ -81,7 +81,6 @@ class Decider:
         self.ft = ft
         self.me = me
         self.swap_bandwidth_Bps = swap_bandwidth_Bps
-        self.plans_refused = plans_refused
         self.started_at = time.time()
         self.precompute: Precomputer[DecisionBasis, Any] = Precomputer("decision-cache")
         """Builds the decisions this rank would make for likely failures (a thread: started
@@ -152,7 +151,8 @@ class Decider:
             plan=standing.plan, reroute=standing.reroute,
             members=tuple(sorted(standing.members)),
             stale=tuple(sorted(set(standing.members) - set(standing.active))),
-            plans=self.plans_refused or plan_refusal(trainer.args, standing.plan),
+            plans=("ft.plans=false: megatron layouts only" if not self.ft.plans
+                   else plan_seams_refusal() or plan_refusal(trainer.args, standing.plan)),
             replicated=self.ft.keep_replicas,
             step_time_s=None if user else self.detector.typical_step_time,
             regroup_s=None if user else standing.regroup_s,

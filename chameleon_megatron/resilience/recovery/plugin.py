@@ -83,13 +83,10 @@ def check_recoverable(ctx: TrainContext, ft: ResilienceConfig) -> None:
 
 
 class ResiliencePlugin(TrainerPlugin):
-    def __init__(self, ft: ResilienceConfig, *, swap_bandwidth_Bps: float = 0.0,
-                 plans_refused: str | None = None) -> None:
-        """``swap_bandwidth_Bps``: the job swaps activations at this bandwidth (0: no).
-        ``plans_refused``: why the trainer runs megatron layouts only (None: it runs plans)."""
+    def __init__(self, ft: ResilienceConfig, *, swap_bandwidth_Bps: float = 0.0) -> None:
+        """``swap_bandwidth_Bps``: the job swaps activations at this bandwidth (0: no)."""
         self.ft = ft
         self.swap_bandwidth_Bps = swap_bandwidth_Bps
-        self.plans_refused = plans_refused
         self.controller: RecoveryController | None = None
         self._args: Any = None
         self._remove_hooks: Callable[[], None] = lambda: None
@@ -142,7 +139,7 @@ class ResiliencePlugin(TrainerPlugin):
         return RecoveryController(
             job=job, detector=detector, injector=injector, ft=self.ft, me=me,
             plan=plan, backend=backend, swap_bandwidth_Bps=self.swap_bandwidth_Bps,
-            plans_refused=self.plans_refused, shards=shards).watch()
+            shards=shards).watch()
 
     def on_train_start(self, trainer: TrainerHandle) -> StepAction | None:
         relaunch = os.environ.get(RELAUNCH_ENV)

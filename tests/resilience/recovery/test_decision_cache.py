@@ -32,9 +32,9 @@ TRAINER = SimpleNamespace(args=ARGS, device=torch.device("cpu"))
 
 
 def controller(step_s: float = 0.5, plan=PP2_DP4, me: int = 0,
-               keep_replicas: bool = True) -> RecoveryController:
+               keep_replicas: bool = True, plans: bool = True) -> RecoveryController:
     job = JobStore(dist.HashStore(), "run")
-    ft = ResilienceConfig(timing_steps=1, keep_replicas=keep_replicas)
+    ft = ResilienceConfig(timing_steps=1, keep_replicas=keep_replicas, plans=plans)
     c = RecoveryController(job=job, detector=FailureDetector(job, 0, ft),
                            injector=FaultInjector(0), ft=ft, me=me, plan=plan, backend="gloo")
     c.decider.expected_time_to_failure = lambda: 1000.0  # D depends on the clock; fixed here
@@ -101,6 +101,28 @@ def test_the_replicas_setting_is_part_of_what_a_cached_decision_serves() -> None
     assert without_source(served) == without_source(fresh)
     c.close(finished=False)
     plain.close(finished=False)
+
+
+def test_plans_are_refused_when_turned_off_or_when_megatron_core_cannot_run_them(
+        monkeypatch) -> None:
+    """The decision proposes only megatron layouts with ``ft.plans=false``, and when this
+    megatron-core lacks a callable the plan runtime needs (its recovery would fail)."""
+    from chameleon_megatron.megatron import plan_seams
+
+    on = controller()
+    assert on.decider.basis(TRAINER, on.standing()).plans is None
+    assert decision(on, {7})["record"]["mode"] != "megatron"  # plans win here when allowed
+    off = controller(plans=False)
+    assert off.decider.basis(TRAINER, off.standing()).plans == (
+        "ft.plans=false: megatron layouts only")
+    needs = dict(plan_seams.NEEDS)
+    needs["pipeline_parallel.schedules.backward_step"] += ("grad_scale",)
+    monkeypatch.setattr(plan_seams, "NEEDS", needs)
+    assert "backward_step lacks grad_scale" in on.decider.basis(TRAINER, on.standing()).plans
+    for c in (on, off):
+        record = decision(c, {7})["record"]
+        assert record["mode"] == "megatron" and record["executed"] != "reroute", record
+        c.close(finished=False)
 
 
 def test_node_failures_are_precomputed_from_the_agents_beats() -> None:

@@ -1,0 +1,98 @@
+"""Megatron-LM's loop while a recovery's plan runs: heterogeneous pipelines, or rerouting
+around dead ranks, neither of which megatron's parallel state can express.
+
+The steps go to the plan runtime (``resilience.execution``): each rank's stage is megatron-
+core's ``GPTModel`` built from Megatron-LM's arguments (its layer spec: local or Transformer
+Engine as ``--transformer-impl`` says), trained with megatron's DDP and optimizer and
+Megatron-LM's LR schedule (``get_optimizer_param_scheduler``), fed from Megatron-LM's own
+datasets (its ``dataset_provider``) in its sampler's order: global batch k holds samples
+``[consumed, consumed + global batch)``, whatever pipeline runs them.
+
+Evaluations and checkpoints due while a plan runs are deferred (a record and a warning):
+Megatron-LM's evaluation and checkpoint read megatron's parallel state, which a plan has
+none of, and dist_checkpointing shards by it. They run again once a megatron layout returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.training.plugin import TrainerPlugin, plugins_step
+
+logger = logging.getLogger(__name__)
+
+DEFERRED = ("Megatron-LM's evaluation and checkpoint read megatron's parallel state, which a "
+            "plan's layout has none of: deferred until a megatron layout returns")
+"""Why a plan defers the work after a step (the record's ``why``)."""
+
+_BUILT_ON_RANK = "is_dataset_built_on_rank"
+
+
+@dataclass(frozen=True)
+class PlanData:
+    """Megatron-LM's datasets as every rank of a plan holds them (any rank may be a first
+    or a last stage, or run a dead rank's microbatches)."""
+
+    train: Any
+    valid: Any
+    test: Any
+
+
+@contextlib.contextmanager
+def _built_on_every_rank(provider: Callable[..., Any]) -> Iterator[None]:
+    """pretrain_gpt.py's provider builds a split only where its ``is_dataset_built_on_rank``
+    says (first and last stages, first tensor-parallel rank, read from megatron's parallel
+    state): here it says yes on every rank."""
+    scope = getattr(provider, "__globals__", {})
+    if _BUILT_ON_RANK not in scope:
+        raise ConfigError(f"the dataset provider {getattr(provider, '__qualname__', provider)!r}"
+                          f" has no {_BUILT_ON_RANK}() beside it (as pretrain_gpt.py's): a plan "
+                          "needs its data on every rank")
+    kept = scope[_BUILT_ON_RANK]
+    scope[_BUILT_ON_RANK] = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        scope[_BUILT_ON_RANK] = kept
+
+
+def plan_data(training: ModuleType, provider: Callable[..., Any]) -> PlanData:
+    """Megatron-LM's train, validation and test datasets at its own sizes (the sample order
+    depends on them), built on this rank; collective over the world (megatron's builder
+    builds on rank 0 first)."""
+    with _built_on_every_rank(provider):
+        train, valid, test = training.build_train_valid_test_datasets(provider)
+    if isinstance(valid, list):  # Megatron-LM's multiple validation sets: the first
+        valid = valid[0] if valid else None
+    return PlanData(train, valid, test)
+
+
+def train_step(engine: Any, data: PlanData, plugins: list[TrainerPlugin], *, iteration: int,
+               consumed: int, gbs: int) -> tuple[Any, float]:
+    """Step ``iteration + 1`` through the plan's engine inside the plugins' step context:
+    (what was applied, seconds)."""
+    start = time.perf_counter()
+    with plugins_step(plugins, iteration + 1, training=True):
+        applied = engine.train_step(data.train, consumed, gbs)
+    return applied, time.perf_counter() - start
+
+
+def iteration_record(engine: Any, applied: Any, *, iteration: int, consumed: int, gbs: int,
+                     step_time: float, world_size: int, lr: float) -> dict[str, Any]:
+    """The metrics record of a plan's step (the hook writes the same fields for
+    Megatron-LM's steps); sums the loss over every rank (collective)."""
+    loss, _ = engine.global_loss(applied.reports)
+    return {"event": "iteration", "iteration": iteration, "loss": loss,
+            "step_time_s": step_time, "consumed_samples": consumed, "global_batch_size": gbs,
+            "world_size": world_size, "layout": engine.layout(), "lr": lr,
+            "grad_norm": applied.grad_norm, "skipped": applied.skipped}
+
+
+def deferred_record(phase: str, iteration: int) -> dict[str, Any]:
+    return {"event": "deferred", "iteration": iteration, "work": phase, "why": DEFERRED}
