@@ -183,7 +183,9 @@ class LMLoop(LoopPosition):
         if not self.model:
             raise RuntimeError("the recovery that admitted this rank built it no model")
         self._checkpointing = entry.checkpointing_context
-        self.iterators_built(self._iterators_at_mark(self._at_position()))
+        args = self._at_position()
+        if self.engine is None:  # a plan reads its data by sample (lm_plan)
+            self.iterators_built(self._iterators_at_mark(args))
         return self._run(original, entry, self._originals[0], self._originals[1], (), {})
 
     def _run(self, original: Callable[..., Any], entry: Entry, train_iterator: Any,

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_megatron_lm_ft as lm_ft  # noqa: E402
 from test_megatron_lm_ft import (  # noqa: E402
     BF16_TOLERANCE,
+    JOIN_ITERS,
+    JOIN_JOB,
     MODEL,
     TOLERANCE,
     iterations,
@@ -26,8 +28,9 @@ from test_megatron_lm_ft import (  # noqa: E402
 from lm_support import needs_real  # noqa: E402
 
 pytestmark = [needs_real, pytest.mark.serial, pytest.mark.timeout(600)]
-checkout, reference = lm_ft.checkout, lm_ft.reference
-"""The fixtures: a patched copy of the checkout, Megatron-LM's failure-free run of JOB."""
+checkout, reference, join_reference = lm_ft.checkout, lm_ft.reference, lm_ft.join_reference
+"""The fixtures: a patched copy of the checkout, Megatron-LM's failure-free runs of JOB and
+of JOIN_JOB."""
 
 
 def killed(checkout, reference, tmp_path, *flags: str) -> tuple[list[dict], dict, list[dict]]:
@@ -118,3 +121,28 @@ def test_a_bf16_tensor_parallel_distributed_optimizer_job_runs_each_strategy(
     for got in steps:
         assert got["loss"] == pytest.approx(want[got["iteration"]], rel=BF16_TOLERANCE), got
     assert done["decision"]["executed"] == strategy, done["decision"]
+
+
+def test_a_respawned_worker_joins_a_plan_and_the_layout_grows_back(checkout, join_reference,
+                                                                   tmp_path):
+    """PP2 x DP2, rank 3 dies in step 3 and is restarted as a joiner; the survivors run the
+    forced re-plan (a heterogeneous plan over 3 ranks) and admit the joiner between two of
+    its steps: four ranks again in a megatron layout (Megatron-LM's train() re-entered),
+    every step once with the failure-free losses."""
+    plain, _ = join_reference
+    records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+                          "--chameleon-ft-strategy", "replan",
+                          *(a for a in lm_ft.JOIN_FT if a not in lm_ft.MEGATRON_ONLY
+                            and a != "--chameleon-ft"),
+                          "--chameleon-ft-respawns", "1", "--chameleon-ft-respawn-delay-s", "0",
+                          job=JOIN_JOB)
+    steps = iterations(records)
+    assert [r["iteration"] for r in steps] == list(range(1, JOIN_ITERS + 1)), log[-4000:]
+    for got, want in zip(steps, iterations(plain)):
+        assert got["loss"] == pytest.approx(want["loss"], abs=TOLERANCE), got["iteration"]
+    failure, join = recoveries(records)
+    assert failure["layout_after"]["mode"] == "hetero", failure["layout_after"]
+    assert (join["cause"], join["joined"], join["layout_after"]["mode"]) == ("join", [4],
+                                                                             "megatron")
+    assert sorted(join["layout_after"]["ranks"]) == [0, 1, 2, 4]
+    assert {r["world_size"] for r in steps if r["iteration"] >= join["redo_iteration"]} == {4}
