@@ -41,6 +41,12 @@ BLACKOUT_S = 1.5
 """A blackout that TCP's retransmissions bridge within the group timeout."""
 
 
+STOP_SLACK_S = 20.0
+"""Allowed beyond the node window for the cut-off side to stop its workers and exit: 21.4 s
+in all was measured with two busy loops beside the whole suite on 2 cores (stop 44's CI
+check), against 20 s allowed then."""
+
+
 def _cut_off_exit(proc: subprocess.Popen, cut_at: float, log: Path) -> float:
     """The host's launcher exits with the cut-off status; seconds from the cut."""
     code = proc.wait(timeout=WINDOW_S + 60)
@@ -67,7 +73,7 @@ def test_a_host_cut_off_stops_and_the_store_side_trains_on(tmp_path: Path,
         cut_at = time.monotonic()
         took = _cut_off_exit(procs[1], cut_at, tmp_path / "log1")
         # the node window, plus one round of the monitor and the stop
-        assert took <= WINDOW_S + 10, took
+        assert took <= WINDOW_S + STOP_SLACK_S, took
         h1.restore()  # the link is back: host 1 has nothing left to rejoin with
         assert procs[0].wait(timeout=240) == 0, (tmp_path / "log0").read_text()[-6000:]
     recs = records(tmp_path / "metrics.jsonl")
@@ -90,7 +96,7 @@ def test_the_store_host_cut_off_stops_and_the_majority_resumes(tmp_path: Path,
         time.sleep(1.0)  # a record of a step that had finished before the cut
         before = len(records(tmp_path / "metrics.jsonl"))
         took = _cut_off_exit(procs[0], cut_at, tmp_path / "log0")
-        assert took <= WINDOW_S + 10, took
+        assert took <= WINDOW_S + STOP_SLACK_S, took
         h0.restore()  # the link is back while the majority trains: nothing of host 0 left
         for i in (1, 2):
             assert procs[i].wait(timeout=300) == 0, (tmp_path / f"log{i}").read_text()[-6000:]
