@@ -81,6 +81,7 @@ class Decider:
         self.ft = ft
         self.me = me
         self.swap_bandwidth_Bps = swap_bandwidth_Bps
+        self._seams: tuple[str | None] | None = None
         self.started_at = time.time()
         self.precompute: Precomputer[DecisionBasis, Any] = Precomputer("decision-cache")
         """Builds the decisions this rank would make for likely failures (a thread: started
@@ -152,11 +153,18 @@ class Decider:
             members=tuple(sorted(standing.members)),
             stale=tuple(sorted(set(standing.members) - set(standing.active))),
             plans=("ft.plans=false: megatron layouts only" if not self.ft.plans
-                   else plan_seams_refusal() or plan_refusal(trainer.args, standing.plan)),
+                   else self._seams_refusal() or plan_refusal(trainer.args, standing.plan)),
             replicated=self.ft.keep_replicas,
             step_time_s=None if user else self.detector.typical_step_time,
             regroup_s=None if user else standing.regroup_s,
             history=() if user else tuple(self.feedback.observations()))
+
+    def _seams_refusal(self) -> str | None:
+        """Why this process's megatron-core cannot run plans (``plan_seams``), checked once:
+        the basis is built between steps."""
+        if self._seams is None:
+            self._seams = (plan_seams_refusal(),)
+        return self._seams[0]
 
     def profile(self, trainer: TrainerHandle, basis: DecisionBasis) -> Profile:
         return decision_profile(basis, trainer.args, path=self.ft.profile,

@@ -118,10 +118,13 @@ def test_plans_are_refused_when_turned_off_or_when_megatron_core_cannot_run_them
     needs = dict(plan_seams.NEEDS)
     needs["pipeline_parallel.schedules.backward_step"] += ("grad_scale",)
     monkeypatch.setattr(plan_seams, "NEEDS", needs)
-    assert "backward_step lacks grad_scale" in on.decider.basis(TRAINER, on.standing()).plans
-    for c in (on, off):
+    missing = controller()  # checks its megatron-core once
+    assert "backward_step lacks grad_scale" in missing.decider.basis(
+        TRAINER, missing.standing()).plans
+    for c in (missing, off):
         record = decision(c, {7})["record"]
         assert record["mode"] == "megatron" and record["executed"] != "reroute", record
+    for c in (on, off, missing):
         c.close(finished=False)
 
 
