@@ -122,6 +122,8 @@ def _one_error_line(out: str, prog: str) -> str:
                                              "--chameleon-ft too"),
     (["--mock-data", "--chameleon-ft-shard-replica-interval", "0"],
      "ft.shard_replica_interval=0: must be >= 1"),
+    (["--mock-data", "--chameleon-ft-strategy", "reroute", "--no-chameleon-ft-plans"],
+     "ft.strategy='reroute': reroutes through the plan runtime, which ft.plans=false turns off"),
     (["--mock-data", "--chameleon-inject-fault", "rank=1,iteration=1,phase=forward,kind=exit"], "give --chameleon-ft too"),
 ])
 def test_trainer_refuses_before_building_the_model(argv, expected):
