@@ -201,7 +201,7 @@ class LMLoop(LoopPosition):
                     if self._redo_after:
                         self._after_step_work(entry, self._take_redo_after())
                     if self.engine is not None:
-                        self._plan_train()
+                        self._plan_train(entry)
                     else:
                         result = original(entry.forward_step_func, self.model, self.optimizer,
                                           self.scheduler, self.current(train_iterator),
@@ -332,10 +332,10 @@ class LMLoop(LoopPosition):
                 self._defer(phase)
             elif phase == "eval":
                 lm_work.evaluate(self._training, entry, self._trained())
-            if phase == "save":
+            elif phase == "save":
                 lm_work.save(self._training, entry, self._trained(), final=False)
 
-    def _plan_train(self) -> None:
+    def _plan_train(self, entry: Entry) -> None:
         """Megatron-LM's ``train()`` while a plan runs (``lm_plan``): its steps through the
         plan's engine, the plugins' work between them; the work after a step is deferred."""
         args, first = self._training.get_args(), True
@@ -360,9 +360,7 @@ class LMLoop(LoopPosition):
             if self.rank == 0:
                 logger.info("iteration %d/%d (plan %s) | lm loss: %.6E", self.iteration,
                             args.train_iters, record["layout"].get("plan"), record["loss"])
-            for phase in ("eval", "save"):
-                if work_due(args, self.iteration, phase, final_save=False):
-                    self._defer(phase)
+            self._after_step_work(entry, AFTER_STEP[0])  # deferred
 
     def _between_steps(self) -> None:
         """The plugins' work between two steps; a layout change unwinds the loop."""
@@ -507,7 +505,7 @@ class LMLoop(LoopPosition):
         with self._arguments_for(layout) as staged:
             built = self._setup_without_load(staged)
         self.built(*built)
-        self.engine = None
+        self.engine, self._plan_data = None, None
         for cached in ("save_strategy", "load_strategy"):  # made for the old groups
             self._checkpointing.pop(cached, None)
         self.hints = dict(hints or {})

@@ -33,13 +33,14 @@ checkout, reference, join_reference = lm_ft.checkout, lm_ft.reference, lm_ft.joi
 of JOIN_JOB."""
 
 
-def killed(checkout, reference, tmp_path, *flags: str) -> tuple[list[dict], dict, list[dict]]:
-    """The 4-rank job (PP2 x DP2) with rank 1 killed in step 3: every step once, each loss
-    the failure-free one. (steps, the recovery, every record)."""
+def killed(checkout, reference, tmp_path, *flags: str,
+           fault: str = "rank=1,iteration=3,phase=forward,kind=exit",
+           ) -> tuple[list[dict], dict, list[dict]]:
+    """The 4-rank job (PP2 x DP2) with rank 1 killed (by default in step 3): every step
+    once, each loss the failure-free one. (steps, the recovery, every record)."""
     losses, _, _ = reference
     records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
-                          "--chameleon-inject-fault", "rank=1,iteration=3,phase=forward,kind=exit",
-                          *flags)
+                          "--chameleon-inject-fault", fault, *flags)
     steps = iterations(records)
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6], log[-4000:]
     for r in steps:
@@ -61,6 +62,21 @@ def test_a_plan_runs_on_megatron_lms_loop_with_the_failure_free_losses(
     # layout: each is recorded, once
     deferred = [(r["iteration"], r["work"]) for r in records if r["event"] == "deferred"]
     assert deferred == [(3, "eval"), (6, "eval"), (6, "final-eval"), (6, "final-test")]
+
+
+def test_a_checkpoint_cut_off_by_a_failure_is_deferred_when_a_plan_follows(
+        checkout, reference, tmp_path):
+    """Rank 1 dies in the checkpoint after step 2 (a megatron layout); the forced re-plan
+    runs a plan, so the save the survivors agreed to redo is deferred (a record), not run
+    through Megatron-LM's save with the plan's model; every step once after it."""
+    steps, done, records = killed(checkout, reference, tmp_path, "--chameleon-ft-strategy",
+                                  "replan", "--save", str(tmp_path / "ckpt"),
+                                  "--save-interval", "2",
+                                  fault="rank=1,iteration=2,phase=save,kind=exit")
+    assert done["layout_after"]["mode"] == "hetero", done["layout_after"]
+    deferred = [(r["iteration"], r["work"]) for r in records if r["event"] == "deferred"]
+    assert deferred[0] == (2, "save") and (4, "save") in deferred, deferred
+    assert [r["world_size"] for r in steps] == [4, 4, 3, 3, 3, 3]
 
 
 def test_eight_ranks_replan_onto_every_survivor(checkout, tmp_path):
