@@ -23,7 +23,7 @@ class ResilienceConfig:
     strategy: Literal["adaptive", "reroute", "replan"] = "adaptive"
     """Recovery strategy: pick by score (adaptive) or force one."""
     plans: bool = True
-    """Recoveries may run layouts megatron's parallel state cannot express (rerouting around dead ranks, pipelines of different depths) through the plan runtime; false: megatron layouts only. On Megatron-LM's pretrain_gpt.py a plan defers evaluations and checkpoints until a megatron layout returns."""
+    """Recoveries may run layouts megatron's parallel state cannot express (rerouting around dead ranks, pipelines of different depths) through the plan runtime; false: megatron layouts only. On Megatron-LM's pretrain_gpt.py a plan changes to a megatron layout for each evaluation and checkpoint, and back after it."""
     keep_replicas: bool = True
     """A re-plan keeps two or more pipelines where such a layout fits memory, so that every stage's state has a copy when the next failure comes (one pipeline leaves only the checkpoint); false: the fastest layout, even a single pipeline."""
     inject_fault: tuple[str, ...] = dataclasses.field(

@@ -114,6 +114,8 @@ class LMLoop(LoopPosition):
         self._iterators: dict[int, Any] = {}
         """id(an iterator pretrain() built) -> the one that replaces it now."""
         self._originals: tuple[Any, Any, Any] = (None, None, None)
+        self._given: tuple[Any, Any] = (None, None)
+        """The (train, valid) iterators ``train()`` is entered with (``current`` maps them)."""
         self._valid_mark = (-1, 0)
         """(iteration, consumed validation samples) when that step's evaluation started."""
         self._checkpointing: dict[str, Any] = {}
@@ -168,7 +170,8 @@ class LMLoop(LoopPosition):
         self._valid_mark = (-1, args.consumed_valid_samples)
         if any(p.on_train_start(self) == "stop" for p in self.plugins):
             raise Leave()
-        return self._run(original, entry, train_iterator, valid_iterator, rest, named)
+        self._given = (train_iterator, valid_iterator)
+        return self._run(original, entry, rest, named)
 
     def join(self, original: Callable[..., Any], entry: Entry) -> tuple[int, float]:
         """A joiner's run of Megatron-LM's ``train()``: its ``pretrain()`` stopped before
@@ -186,11 +189,11 @@ class LMLoop(LoopPosition):
         args = self._at_position()
         if self.engine is None:  # a plan reads its data by sample (lm_plan)
             self.iterators_built(self._iterators_at_mark(args))
-        return self._run(original, entry, self._originals[0], self._originals[1], (), {})
+        self._given = self._originals[:2]
+        return self._run(original, entry, (), {})
 
-    def _run(self, original: Callable[..., Any], entry: Entry, train_iterator: Any,
-             valid_iterator: Any, rest: tuple[Any, ...], named: dict[str, Any]
-             ) -> tuple[int, float]:
+    def _run(self, original: Callable[..., Any], entry: Entry, rest: tuple[Any, ...],
+             named: dict[str, Any]) -> tuple[int, float]:
         """Megatron-LM's ``train()`` and then pretrain()'s end-of-job work, both recovered:
         after a recovery, what the members agreed to redo, then ``train()`` again."""
         result = None
@@ -204,8 +207,8 @@ class LMLoop(LoopPosition):
                         self._plan_train(entry)
                     else:
                         result = original(entry.forward_step_func, self.model, self.optimizer,
-                                          self.scheduler, self.current(train_iterator),
-                                          self.current(valid_iterator),
+                                          self.scheduler, self.current(self._given[0]),
+                                          self.current(self._given[1]),
                                           entry.process_non_loss_data_func, self.config,
                                           entry.checkpointing_context,
                                           entry.non_loss_data_func, *rest, **named)
@@ -261,6 +264,10 @@ class LMLoop(LoopPosition):
         if self.engine is not None:
             return
         fresh = self._iterators_at_mark(args)
+        if all(it is None for it in self._originals):  # joined into a plan: none built yet
+            self.iterators_built(fresh)
+            self._given = fresh[:2]
+            return
         self._iterators = {id(old): new for old, new in zip(self._originals, fresh)
                            if old is not None}
 
@@ -329,7 +336,8 @@ class LMLoop(LoopPosition):
             if not work_due(args, it, phase, final_save=False):
                 continue
             if self.engine is not None:
-                self._defer(phase)
+                self.after_step = phase  # a failure in the change redoes it
+                self._leave_plan(phase)
             elif phase == "eval":
                 lm_work.evaluate(self._training, entry, self._trained())
             elif phase == "save":
@@ -337,7 +345,8 @@ class LMLoop(LoopPosition):
 
     def _plan_train(self, entry: Entry) -> None:
         """Megatron-LM's ``train()`` while a plan runs (``lm_plan``): its steps through the
-        plan's engine, the plugins' work between them; the work after a step is deferred."""
+        plan's engine, the plugins' work between them; work due after a step leaves the plan
+        (``_leave_plan``)."""
         args, first = self._training.get_args(), True
         while self.iteration < args.train_iters:
             if not first:
@@ -360,7 +369,7 @@ class LMLoop(LoopPosition):
             if self.rank == 0:
                 logger.info("iteration %d/%d (plan %s) | lm loss: %.6E", self.iteration,
                             args.train_iters, record["layout"].get("plan"), record["loss"])
-            self._after_step_work(entry, AFTER_STEP[0])  # deferred
+            self._after_step_work(entry, AFTER_STEP[0])
 
     def _between_steps(self) -> None:
         """The plugins' work between two steps; a layout change unwinds the loop."""
@@ -370,12 +379,20 @@ class LMLoop(LoopPosition):
         if self._changes != changes:
             raise Reenter()
 
-    def _defer(self, phase: str) -> None:
-        """A plan defers the work after a step (``lm_plan.DEFERRED``)."""
-        self._emit(lm_plan.deferred_record(phase, self.iteration))
-        if self.rank == 0:
-            logger.warning("the %s after step %d is skipped: %s", phase, self.iteration,
-                           lm_plan.DEFERRED)
+    def _leave_plan(self, phase: str) -> None:
+        """Megatron-LM's evaluation and checkpoint read megatron's parallel state, which a
+        plan has none of: the plugins change to a megatron layout first, a transition that
+        agrees to redo ``phase`` (``after_step``, set by the caller), and the loop redoes it
+        there (``Reenter``)."""
+        changes = self._changes
+        actions = [plugin.leave_plan(self, phase) for plugin in self.plugins]
+        if "stop" in actions:
+            raise Leave()
+        if self._changes == changes:
+            raise RuntimeError(f"the {phase} after step {self.iteration} needs a megatron "
+                               "layout and no plugin changed to one")
+        self.after_step = ""
+        raise Reenter()
 
     def _trained(self) -> lm_work.Trained:
         return lm_work.Trained(self.model, self.optimizer, self.scheduler, self.config,
@@ -415,7 +432,7 @@ class LMLoop(LoopPosition):
     def _run_end_of_job(self, entry: Entry, phase: str) -> None:
         """Megatron-LM's own call of ``phase``, with the objects trained now."""
         if self.engine is not None:
-            self._defer(phase)
+            self._leave_plan(phase)
         elif phase == "final-save":
             lm_work.save(self._training, entry, self._trained(), final=True)
         else:

@@ -8,9 +8,11 @@ Megatron-LM's LR schedule (``get_optimizer_param_scheduler``), fed from Megatron
 datasets (its ``dataset_provider``) in its sampler's order: global batch k holds samples
 ``[consumed, consumed + global batch)``, whatever pipeline runs them.
 
-Evaluations and checkpoints due while a plan runs are deferred (a record and a warning):
-Megatron-LM's evaluation and checkpoint read megatron's parallel state, which a plan has
-none of, and dist_checkpointing shards by it. They run again once a megatron layout returns.
+Evaluations and checkpoints due while a plan runs read megatron's parallel state, which a
+plan has none of (and dist_checkpointing shards by it): the loop first changes to a megatron
+layout (``LMLoop._leave_plan``, a "work" transition of the recovery controller), runs
+Megatron-LM's own evaluation or save there, and the decision center chooses freely again
+between the next two steps.
 """
 
 from __future__ import annotations
@@ -26,10 +28,6 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.plugin import TrainerPlugin, plugins_step
 
 logger = logging.getLogger(__name__)
-
-DEFERRED = ("Megatron-LM's evaluation and checkpoint read megatron's parallel state, which a "
-            "plan's layout has none of: deferred until a megatron layout returns")
-"""Why a plan defers the work after a step (the record's ``why``)."""
 
 _BUILT_ON_RANK = "is_dataset_built_on_rank"
 
@@ -92,7 +90,3 @@ def iteration_record(engine: Any, applied: Any, *, iteration: int, consumed: int
             "step_time_s": step_time, "consumed_samples": consumed, "global_batch_size": gbs,
             "world_size": world_size, "layout": engine.layout(), "lr": lr,
             "grad_norm": applied.grad_norm, "skipped": applied.skipped}
-
-
-def deferred_record(phase: str, iteration: int) -> dict[str, Any]:
-    return {"event": "deferred", "iteration": iteration, "work": phase, "why": DEFERRED}

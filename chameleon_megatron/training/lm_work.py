@@ -55,4 +55,12 @@ def save(training: ModuleType, entry: Entry, now: Trained, *, final: bool) -> No
             *objects, train_data_iterator=now.iterators[0],
             preprocess_common_state_dict_fn=training.preprocess_common_state_dict)
     else:
+        # it stops and restarts train()'s interval timer, which runs only inside train():
+        # a redo is outside it, and the timer refuses a stop unstarted and a second start
+        interval = training.get_timers()("interval-time", log_level=0)
+        outside = not interval._started
+        if outside:
+            interval.start()
         training.save_checkpoint_and_time(*objects, train_data_iterator=now.iterators[0])
+        if outside:
+            interval.reset()

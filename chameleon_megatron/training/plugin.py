@@ -162,6 +162,12 @@ class TrainerPlugin:
         here (an exception is handled like a failed step). "stop": leave the loop."""
         return None
 
+    def leave_plan(self, trainer: TrainerHandle, work: str) -> StepAction | None:
+        """Work after a step (``WORK_ORDER``) is due that the trainer runs only in a megatron
+        layout, while a plan runs: a plugin may change to one here (every active rank asks
+        after the same step). "stop": leave the loop."""
+        return None
+
     def on_checkpoint(self, iteration: int) -> None:
         """Every rank is about to write the checkpoint of step ``iteration`` (collective)."""
 

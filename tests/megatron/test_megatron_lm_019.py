@@ -150,7 +150,9 @@ def test_a_plan_runs_on_0_19s_loop_with_the_failure_free_losses(checkout, tmp_pa
                                                                 strategy, mode):
     """test_megatron_lm_plans on this release: PP2 x DP2, rank 1 killed in step 3, the
     forced strategy runs through the plan runtime with 0.19's datasets (its provider) and LR
-    schedule; every step once, every loss within 1e-4 of 0.19's failure-free run."""
+    schedule; every step once, every loss within 1e-4 of 0.19's failure-free run. The
+    evaluation after step 3 runs in a megatron layout (PP1 x DP2: step 4), the plan
+    returns for steps 5 and 6."""
     from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
 
     ckpt, env = checkout
@@ -159,7 +161,39 @@ def test_a_plan_runs_on_0_19s_loop_with_the_failure_free_losses(checkout, tmp_pa
                                        "rank=1,iteration=3,phase=forward,kind=exit",
                                        abs=TOLERANCE, ft=("--chameleon-ft-strategy", strategy))
     assert (done["decision"]["executed"], done["layout_after"]["mode"]) == (strategy, mode)
-    assert [r["world_size"] for r in steps] == [4, 4, 3, 3, 3, 3]
+    assert [r["world_size"] for r in steps] == [4, 4, 3, 2, 3, 3]
+
+
+@pytest.mark.serial
+def test_a_checkpoint_during_a_plan_resumes_a_fresh_job_on_0_19(checkout, tmp_path):
+    """test_megatron_lm_plans' checkpoint during a plan, on this release: rank 1 dies in
+    step 2, the heterogeneous re-plan redoes it; the checkpoint after step 2 is 0.19's own,
+    written in a megatron layout the job changes to for it, and the plan returns for steps 5
+    and 6. A fresh 0.19 job on all 4 ranks (PP2 x DP2) loads it and trains steps 3 to 6:
+    every loss within 1e-4 of 0.19's failure-free run."""
+    from test_megatron_lm_ft import JOB, TOLERANCE, WORK, iterations, launch, recoveries
+
+    ckpt, env = checkout
+    patch.apply(ckpt)
+    plain = {r["iteration"]: r["loss"]
+             for r in iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False)[0])}
+    saved = tmp_path / "ckpt"
+    records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
+                          "--chameleon-ft-strategy", "replan", "--save", str(saved),
+                          "--save-interval", "2", "--chameleon-inject-fault",
+                          "rank=1,iteration=2,phase=forward,kind=exit", job=JOB)
+    assert [(r["cause"], r["redo_iteration"] - 1, r["layout_after"]["mode"])
+            for r in recoveries(records) if r["cause"] in WORK] == [
+        ("work", 2, "megatron"), ("back", 4, "hetero"), ("work", 6, "megatron")]
+    for r in iterations(records):
+        assert r["loss"] == pytest.approx(plain[r["iteration"]], abs=TOLERANCE), r
+    (saved / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed, log = launch(checkout, tmp_path / "resumed.jsonl", 4, "--load", str(saved),
+                          ft=False)
+    again = iterations(resumed)
+    assert [r["iteration"] for r in again] == [3, 4, 5, 6], log[-4000:]
+    for r in again:
+        assert r["loss"] == pytest.approx(plain[r["iteration"]], abs=TOLERANCE), r
 
 
 @pytest.mark.serial

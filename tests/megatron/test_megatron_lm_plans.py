@@ -2,7 +2,9 @@
 the real checkout) under chameleon-run on CPU ranks, against Megatron-LM's failure-free run
 of the same job: after a failure the decision center's choice runs through the plan runtime
 (``training.lm_plan``) with Megatron-LM's data in its sample order, each step once, with
-the failure-free losses."""
+the failure-free losses. Evaluations and checkpoints due while a plan runs are Megatron-LM's
+own, run in a megatron layout the job changes to for them (a "work" transition); the plan
+runs again after them (a "back" transition)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_megatron_lm_ft as lm_ft  # noqa: E402
 from test_megatron_lm_ft import (  # noqa: E402
     BF16_TOLERANCE,
+    FINAL,
     JOIN_ITERS,
     JOIN_JOB,
     MODEL,
     TOLERANCE,
+    VALIDATION,
+    WORK,
+    changes,
     iterations,
     killed_against_plain,
     launch,
@@ -45,45 +51,88 @@ def killed(checkout, reference, tmp_path, *flags: str,
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6], log[-4000:]
     for r in steps:
         assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
-    (done,) = recoveries(records)
+    (done,) = changes(records)
     return steps, done, records
+
+
+def around_work(records: list[dict]) -> list[tuple[str, int, str]]:
+    """(cause, the step after which it ran, mode after) of each transition around work."""
+    return [(r["cause"], r["redo_iteration"] - 1, r["layout_after"]["mode"])
+            for r in recoveries(records) if r["cause"] in WORK]
+
+
+def assert_evaluations(reference, log: str) -> None:
+    """Every validation and end-of-job evaluation ran once, with the failure-free loss."""
+    _, validation, finals = reference
+    got = dict(VALIDATION.findall(log))
+    assert sorted(got) == sorted(validation), got
+    for it, loss in got.items():
+        assert float(loss) == pytest.approx(float(validation[it]), abs=TOLERANCE), it
+    ends = FINAL.findall(log)
+    assert [e[:2] for e in ends] == [f[:2] for f in finals], ends
+    for (_, which, loss), (_, _, want) in zip(ends, finals):
+        assert float(loss) == pytest.approx(float(want), abs=TOLERANCE), which
 
 
 @pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
 def test_a_plan_runs_on_megatron_lms_loop_with_the_failure_free_losses(
         checkout, reference, tmp_path, strategy, mode):
+    """Rank 1 dies in step 3; the strategy's plan runs it. The evaluation after step 3 runs
+    in a megatron layout (PP1 x DP2 over two survivors); the plan returns between steps 4
+    and 5, the first two steps of that layout, and leaves again for the evaluations after
+    step 6. Every evaluation has the failure-free loss."""
     steps, done, records = killed(checkout, reference, tmp_path,
                                   "--chameleon-ft-strategy", strategy)
     assert done["decision"]["executed"] == strategy
     assert done["layout_after"]["mode"] == mode, done["layout_after"]
-    assert [r["world_size"] for r in steps] == [4, 4, 3, 3, 3, 3]
-    assert all(r["layout"].get("plan") == done["layout_after"]["plan"] for r in steps[2:])
-    # the evaluations due after steps 3 and 6 and the end-of-job ones wait for a megatron
-    # layout: each is recorded, once
-    deferred = [(r["iteration"], r["work"]) for r in records if r["event"] == "deferred"]
-    assert deferred == [(3, "eval"), (6, "eval"), (6, "final-eval"), (6, "final-test")]
+    assert around_work(records) == [("work", 3, "megatron"), ("back", 4, mode),
+                                    ("work", 6, "megatron")]
+    assert [r["world_size"] for r in steps] == [4, 4, 3, 2, 3, 3]
+    plan = done["layout_after"]["plan"]
+    assert [r["layout"].get("plan") == plan for r in steps] == [False, False, True, False,
+                                                                 True, True]
+    assert_evaluations(reference, (tmp_path / "ft.log").read_text())
 
 
-def test_a_checkpoint_cut_off_by_a_failure_is_deferred_when_a_plan_follows(
-        checkout, reference, tmp_path):
-    """Rank 1 dies in the checkpoint after step 2 (a megatron layout); the forced re-plan
-    runs a plan, so the save the survivors agreed to redo is deferred (a record), not run
-    through Megatron-LM's save with the plan's model; every step once after it."""
+@pytest.mark.parametrize("phase", ["forward", "save"])
+def test_evaluations_and_checkpoints_during_a_plan_then_a_fresh_job_resumes_from_one(
+        checkout, reference, tmp_path, phase):
+    """Rank 1 dies in step 2 (``forward``) or in the checkpoint after it (``save``: the
+    survivors agree to redo it); the heterogeneous re-plan runs. The checkpoint after step
+    2 and the evaluations after step 6 fall inside the plan: each is Megatron-LM's own, in a
+    megatron layout the job changes to for it (PP1 x DP2). That layout stays while work
+    follows each step (the evaluation after step 3, the save after step 4); the plan runs
+    steps 5 and 6. Every checkpoint is written, every evaluation has the failure-free loss.
+    A fresh job of Megatron-LM on all 4 ranks (PP2 x DP2, not the layout that saved) then
+    loads the checkpoint of step 2 and trains steps 3 to 6 with the failure-free losses."""
+    losses, _, _ = reference
+    ckpt = tmp_path / "ckpt"
     steps, done, records = killed(checkout, reference, tmp_path, "--chameleon-ft-strategy",
-                                  "replan", "--save", str(tmp_path / "ckpt"),
-                                  "--save-interval", "2",
-                                  fault="rank=1,iteration=2,phase=save,kind=exit")
+                                  "replan", "--save", str(ckpt), "--save-interval", "2",
+                                  fault=f"rank=1,iteration=2,phase={phase},kind=exit")
     assert done["layout_after"]["mode"] == "hetero", done["layout_after"]
-    deferred = [(r["iteration"], r["work"]) for r in records if r["event"] == "deferred"]
-    assert deferred[0] == (2, "save") and (4, "save") in deferred, deferred
-    assert [r["world_size"] for r in steps] == [4, 4, 3, 3, 3, 3]
+    assert around_work(records) == [("work", 2, "megatron"), ("back", 4, "hetero"),
+                                    ("work", 6, "megatron")]
+    second = 3 if phase == "forward" else 4  # the plan redoes step 2, or the save only
+    assert [r["world_size"] for r in steps] == [4, second, 2, 2, 3, 3]
+    assert_evaluations(reference, (tmp_path / "ft.log").read_text())
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [
+        "iter_0000002", "iter_0000004", "iter_0000006"]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")  # not the final one (6)
+    resumed, log = launch(checkout, tmp_path / "resumed.jsonl", 4, "--load", str(ckpt),
+                          ft=False)
+    again = iterations(resumed)
+    assert [r["iteration"] for r in again] == [3, 4, 5, 6], log[-4000:]
+    for r in again:
+        assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
 
 
 def test_eight_ranks_replan_onto_every_survivor(checkout, tmp_path):
     """PP2 x DP4 on 8 ranks, 8 microbatches of one sample per step; rank 5 dies in step 2.
     No megatron layout over 7 ranks divides this model and global batch; the re-plan runs
     pipelines of different depths over all 7 (three of depth 2, one of depth 1), with the
-    failure-free losses."""
+    failure-free losses. The evaluation after step 3 takes the job to a megatron layout over
+    fewer ranks (step 4), and the plan returns for steps 5 and 6."""
     job = [*MODEL, "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"]
     steps, done = killed_against_plain(checkout, tmp_path, job,
                                        "rank=5,iteration=2,phase=forward,kind=exit",
@@ -91,7 +140,7 @@ def test_eight_ranks_replan_onto_every_survivor(checkout, tmp_path):
                                        ft=("--chameleon-ft-strategy", "replan"))
     lay = done["layout_after"]
     assert lay["mode"] == "hetero" and sorted(lay["ranks"]) == [0, 1, 2, 3, 4, 6, 7], lay
-    assert [r["world_size"] for r in steps] == [8, 7, 7, 7, 7, 7]
+    assert [r["iteration"] for r in steps if r["world_size"] == 7] == [2, 3, 5, 6]
 
 
 def test_adaptive_choice_is_recorded_and_a_second_failure_inside_the_plan_recovers(
@@ -107,7 +156,7 @@ def test_adaptive_choice_is_recorded_and_a_second_failure_inside_the_plan_recove
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6], log[-4000:]
     for r in steps:
         assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
-    first, second = recoveries(records)
+    first, second = changes(records)
     scored = {c["name"]: c.get("score") for c in first["decision"]["candidates"]}
     assert set(scored) == {"reroute", "replan"} and all(scored.values()), scored
     assert first["decision"]["executed"] == first["decision"]["choice"]
@@ -130,7 +179,7 @@ def test_a_bf16_tensor_parallel_distributed_optimizer_job_runs_each_strategy(
                           job=job)
     want = {r["iteration"]: r["loss"] for r in plain}
     steps = iterations(records)
-    (done,) = recoveries(records)
+    (done,) = changes(records)
     resumed = done["state_from"]["iteration"]
     assert resumed in (2, 0), done["state_from"]  # 0: step 2's copies were still in flight
     assert [r["iteration"] for r in steps] == [1, 2, 3, *range(resumed + 1, 7)], log[-4000:]
@@ -156,7 +205,7 @@ def test_a_respawned_worker_joins_a_plan_and_the_layout_grows_back(checkout, joi
     assert [r["iteration"] for r in steps] == list(range(1, JOIN_ITERS + 1)), log[-4000:]
     for got, want in zip(steps, iterations(plain)):
         assert got["loss"] == pytest.approx(want["loss"], abs=TOLERANCE), got["iteration"]
-    failure, join = recoveries(records)
+    failure, join = changes(records)
     assert failure["layout_after"]["mode"] == "hetero", failure["layout_after"]
     assert (join["cause"], join["joined"], join["layout_after"]["mode"]) == ("join", [4],
                                                                              "megatron")

@@ -92,6 +92,9 @@ class RecoveryDecision:
     subsystem may keep on the device (only ranks whose stage must swap to fit)."""
     record: Mapping[str, Any] = field(default_factory=dict)
     """Decision record: D, B, both candidates, the choice, what was executed and why."""
+    returns_to: tuple[Plan, ReroutePlan | None] | None = None
+    """A work transition's (a megatron layout for Megatron-LM's evaluation or checkpoint):
+    the plan it left, and its rerouting, which run again once the work is done."""
 
     @property
     def layout(self) -> UniformLayout:
@@ -112,6 +115,9 @@ class RecoveryDecision:
             "rng_donor": [[r, d] for r, d in self.rng_donor.items()],
             "swap_budgets": [[r, f] for r, f in self.swap_budgets.items()],
             "record": self.record,
+            "returns_to": None if self.returns_to is None else {
+                "plan": self.returns_to[0].to_dict(),
+                "reroute": None if self.returns_to[1] is None else self.returns_to[1].to_dict()},
         }
 
     @classmethod
@@ -126,7 +132,15 @@ class RecoveryDecision:
                               for r, u, b in d["sync_groups"]),
             sync_rounds=tuple(tuple(r) for r in d["sync_rounds"]),
             rng_donor={r: dn for r, dn in d["rng_donor"]},
-            swap_budgets={r: f for r, f in d.get("swap_budgets", [])}, record=d["record"])
+            swap_budgets={r: f for r, f in d.get("swap_budgets", [])}, record=d["record"],
+            returns_to=_returns_to(d.get("returns_to")))
+
+
+def _returns_to(d: Mapping[str, Any] | None) -> tuple[Plan, ReroutePlan | None] | None:
+    if d is None:
+        return None
+    plan = Plan.from_dict(d["plan"])
+    return plan, None if d["reroute"] is None else reroute_from_dict(plan, d["reroute"])
 
 
 def reroute_from_dict(plan: Plan, d: Mapping[str, Any]) -> ReroutePlan:

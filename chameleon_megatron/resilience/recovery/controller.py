@@ -104,7 +104,8 @@ from chameleon_megatron.resilience.store.announce import (
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
 from chameleon_megatron.resilience.store.waits import barrier
-from chameleon_megatron.training.plugin import StepAction, TrainerHandle
+from chameleon_megatron.training.loop_position import work_due
+from chameleon_megatron.training.plugin import AFTER_STEP, StepAction, TrainerHandle
 from chameleon_megatron.training.rng import rng_state
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class RecoveryController:
         self._feedback_record: dict[str, Any] | None = None
         self._cause, self._invited = "failure", ()
         """Why the recovery in progress happens, and whom it admits."""
+        self._left: tuple[Plan, ReroutePlan | None] | None = None
+        """The plan a work transition left (``leave_plan``), the same on every member."""
         self._feedback_on = False
         """Whether a recovery's layout is being measured against its estimate."""
         self.generation = 0
@@ -326,10 +329,12 @@ class RecoveryController:
             trainer.emit(record)
             if trainer.rank == 0:  # every rank has the same record
                 logger.info(record)
+        if self._left is not None and not _work_follows(trainer):
+            return self._transition(trainer, "back", ())  # every rank knows (``_finish``)
         # Rank 0 decides for the world: the queue changes while the ranks read it.
         lead = trainer.rank == 0
         replan = lead and record is not None and self.reroute is not None \
-            and self.decider.replan_wins(trainer, self.standing(), self.generation)
+            and self.decider.replan_wins(trainer, self.standing())
         invited = self.joiners.take(self.joiners.waiting()) if lead else ()
         if invited:
             self.joiners.offer(self.generation, invited)
@@ -342,8 +347,22 @@ class RecoveryController:
         if not invited and not replan:
             self.precompute_decisions(trainer)
             return None
+        return self._transition(trainer, "join" if invited else "replan", invited)
+
+    def leave_plan(self, trainer: TrainerHandle, work: str) -> StepAction | None:
+        """Work after a step that only a megatron layout runs (``work``: Megatron-LM's
+        evaluation or checkpoint, which read megatron's parallel state) is due while a plan
+        runs: change to the megatron layout the decision center picks; the plan runs again
+        from the next step on that is not followed by such work (``between_steps``). Every
+        active rank reaches the same work after the same step: no agreement is needed."""
+        logger.info("rank %d: the %s after step %d needs a megatron layout", self.me, work,
+                    trainer.iteration)
+        return self._transition(trainer, "work", ())
+
+    def _transition(self, trainer: TrainerHandle, cause: str,
+                    invited: tuple[int, ...]) -> StepAction | None:
+        """Every active rank changes layout together between two steps (no failure)."""
         self.decider.cancel()
-        cause = "join" if invited else "replan"
         logger.info({"event": "transition", "cause": cause, "invited": list(invited),
                      "iteration": trainer.iteration})
         self._completed = trainer.iteration
@@ -567,7 +586,7 @@ class RecoveryController:
         """What the leader's decisions are computed from, of this controller's state."""
         return Standing(plan=self.plan, reroute=self.reroute, members=self.members,
                         active=self.active, regroup_s=self.last_regroup_s,
-                        known_failed=self.known_failed, cause=self._cause)
+                        known_failed=self.known_failed, cause=self._cause, left=self._left)
 
     def precompute_decisions(self, trainer: TrainerHandle) -> None:
         """At the start and between steps: have the background thread rebuild the decisions
@@ -583,6 +602,7 @@ class RecoveryController:
         failures = [f for f in read_failures(self.job) if f.rank in new]
         self.known_failed = membership.failed
         self.plan, self.active, self.reroute = decision.plan, decision.active, decision.reroute
+        self._left = decision.returns_to
         self.estimated_step_s = decision.estimated_step_s
         self.detector.new_layout()
         self.watcher.acknowledge()
@@ -609,3 +629,10 @@ class RecoveryController:
         trainer.emit(record)
         if trainer.rank == 0:
             logger.info(summary(record))
+
+
+def _work_follows(trainer: TrainerHandle) -> bool:
+    """Whether work after a step (or the end of the job) follows the next step."""
+    args, step = trainer.args, trainer.iteration + 1
+    return step >= args.train_iters or any(
+        work_due(args, step, phase, final_save=False) for phase in AFTER_STEP)

@@ -11,6 +11,7 @@ decision ready (``decision_cache``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.mtbf import MtbfEstimator
 from chameleon_megatron.resilience.decision.placement import NoFreshCopy, plan_refusal
+from chameleon_megatron.resilience.decision.plan_return import return_to
 from chameleon_megatron.resilience.decision.profile import Profile
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
 from chameleon_megatron.resilience.launch.nodes import node_ranks
@@ -49,6 +51,10 @@ from chameleon_megatron.training.plugin import TrainerHandle
 
 logger = logging.getLogger(__name__)
 
+WORK_NEEDS_MEGATRON = ("Megatron-LM's evaluation and checkpoint read megatron's parallel "
+                       "state: the work due runs in a megatron layout")
+"""Why a work transition (``RecoveryController.leave_plan``) refuses plans."""
+
 
 @dataclass(frozen=True)
 class Standing:
@@ -64,7 +70,10 @@ class Standing:
     """The last recovery's regroup phase (None: no recovery yet)."""
     known_failed: frozenset[int]
     cause: str
-    """Why the recovery in progress happens ("failure", "join", "replan", "oom", ...)."""
+    """Why the recovery in progress happens ("failure", "join", "replan", "oom", "work",
+    "back", ...)."""
+    left: tuple[Plan, ReroutePlan | None] | None = None
+    """The plan a work transition left, to run again (``RecoveryController.leave_plan``)."""
 
 
 class Decider:
@@ -121,19 +130,26 @@ class Decider:
                 agreed: Agreed) -> tuple[RecoveryDecision, str]:
         basis = self.basis(trainer, standing)
         new_failures = membership.failed - standing.known_failed
-        if standing.cause not in ("failure", "join", "replan") and not new_failures:
+        if standing.cause == "back" and not new_failures and standing.left is not None:
+            return return_to(standing.plan, *standing.left, alive=membership.members,
+                             stale=agreed.stale, profile=self.profile(trainer, basis)), "fresh"
+        if standing.cause == "work":  # a megatron layout, whoever else failed since
+            basis = dataclasses.replace(basis, plans=basis.plans or WORK_NEEDS_MEGATRON)
+        elif standing.cause not in ("failure", "join", "replan") and not new_failures:
             with contextlib.suppress(NoFreshCopy):  # then the center re-plans
                 return keep_layout(standing.plan, standing.reroute, alive=membership.members,
                                    stale=agreed.stale, profile=self.profile(trainer, basis),
                                    cause=standing.cause), "fresh"
         profile, cands = self._cached(standing, basis, membership, agreed)
-        return decide(standing.plan, alive=membership.members, stale=agreed.stale,
-                      profile=profile or self.profile(trainer, basis),
-                      d_s=self.expected_time_to_failure(), strategy=self.ft.strategy,
-                      plans=basis.plans, candidates=cands, replicated=basis.replicated), \
-            "fresh" if cands is None else "cache"
+        decision = decide(standing.plan, alive=membership.members, stale=agreed.stale,
+                          profile=profile or self.profile(trainer, basis),
+                          d_s=self.expected_time_to_failure(), strategy=self.ft.strategy,
+                          plans=basis.plans, candidates=cands, replicated=basis.replicated)
+        if standing.cause == "work" and not new_failures:  # back to the plan after the work
+            decision = dataclasses.replace(decision, returns_to=(standing.plan, standing.reroute))
+        return decision, "fresh" if cands is None else "cache"
 
-    def replan_wins(self, trainer: TrainerHandle, standing: Standing, generation: int) -> bool:
+    def replan_wins(self, trainer: TrainerHandle, standing: Standing) -> bool:
         """Between steps while rerouting: the decision center, with the step times measured
         since the rerouting, for the same survivors: does it now choose the re-plan?"""
         members = [r for r in standing.members if r not in standing.reroute.failed_ranks]
@@ -142,7 +158,7 @@ class Decider:
                         fresh=tuple(r for r in members if r not in idle),
                         stale=tuple(r for r in members if r in idle))
         data = self.decide(trainer, standing,
-                           Membership(generation, tuple(members), frozenset()), agreed)
+                           Membership(0, tuple(members), frozenset()), agreed)
         return data.get("mode") not in (None, "reroute")
 
     def basis(self, trainer: TrainerHandle, standing: Standing) -> DecisionBasis:

@@ -9,7 +9,9 @@ its controller in ``on_train_start`` instead and waits there to be admitted into
 ``step_context`` times each training step: the detector derives the timeouts from it and
 beats, estimator feedback gets the time; before a checkpoint or an evaluation the timeouts
 are relaxed to the start-up value until the next step. ``on_step_failed`` hands the failure
-to the controller, ``between_steps`` lets it admit joiners or leave rerouting. ``metrics``
+to the controller, ``between_steps`` lets it admit joiners or leave rerouting,
+``leave_plan`` change from a plan to a megatron layout for Megatron-LM's evaluation or
+checkpoint. ``metrics``
 adds ``{"ft": {"generation", "estimated_step_s"}}``.
 """
 
@@ -225,6 +227,10 @@ class ResiliencePlugin(TrainerPlugin):
         if shards is not None and shards.due(trainer.iteration):
             self.controller.refresh_shards(trainer, wait=False)  # overlaps the next steps
         return self.controller.between_steps(trainer)
+
+    def leave_plan(self, trainer: TrainerHandle, work: str) -> StepAction | None:
+        assert self.controller is not None, "on_model_built was not called"
+        return self.controller.leave_plan(trainer, work)
 
     def metrics(self) -> dict[str, Any]:
         return {"ft": self.controller.metrics()} if self.controller is not None else {}

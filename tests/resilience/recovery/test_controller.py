@@ -361,7 +361,7 @@ def test_a_rerouting_job_asks_again_whether_to_re_plan(tmp_path, prior_s, replan
                      use_distributed_optimizer=False, num_experts=None, moe_aux_loss_coeff=0.0,
                      sequence_parallel=False)
     trainer = SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"))
-    assert controller.decider.replan_wins(trainer, controller.standing(), 0) is replan
+    assert controller.decider.replan_wins(trainer, controller.standing()) is replan
 
 
 def test_a_joiner_offered_when_keeping_the_layout_scores_better_waits_as_a_spare() -> None:
