@@ -31,6 +31,7 @@ from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron.ddp_release import release_grad_hooks
 from chameleon_megatron.training import lm_plan, lm_work
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
+from chameleon_megatron.training.engine_step import engine_step, step_record
 from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.lm_globals import (
     reconfigure_microbatches,
@@ -353,18 +354,17 @@ class LMLoop(LoopPosition):
                 self._between_steps()
             first = False
             gbs = args.global_batch_size
-            applied, seconds = lm_plan.train_step(
-                self.engine, self._plan_data, self.plugins, iteration=self.iteration,
-                consumed=self.consumed_samples, gbs=gbs)
+            applied, seconds = engine_step(self.engine, self._plan_data.train, self.plugins,
+                                           iteration=self.iteration,
+                                           consumed=self.consumed_samples, gbs=gbs)
             if not applied.skipped:
                 self.scheduler.step(increment=gbs)
             self.step_applied(gbs, self._training.num_floating_point_operations(args, gbs))
-            record = lm_plan.iteration_record(
-                self.engine, applied, iteration=self.iteration, consumed=self.consumed_samples,
-                gbs=gbs, step_time=seconds, world_size=self.world_size,
-                lr=self.optimizer.param_groups[0]["lr"])
-            for plugin in self.plugins:
-                record.update(plugin.metrics())
+            record = step_record(self.engine, applied, self.plugins, iteration=self.iteration,
+                                 consumed=self.consumed_samples, gbs=gbs, seconds=seconds,
+                                 world_size=self.world_size,
+                                 lr=self.optimizer.param_groups[0]["lr"],
+                                 seq_length=args.seq_length)
             self._emit(record)
             if self.rank == 0:
                 logger.info("iteration %d/%d (plan %s) | lm loss: %.6E", self.iteration,

@@ -11,23 +11,18 @@ datasets (its ``dataset_provider``) in its sampler's order: global batch k holds
 Evaluations and checkpoints due while a plan runs read megatron's parallel state, which a
 plan has none of (and dist_checkpointing shards by it): the loop first changes to a megatron
 layout (``LMLoop._leave_plan``, a "work" transition of the recovery controller), runs
-Megatron-LM's own evaluation or save there, and the decision center chooses freely again
-between the next two steps.
+Megatron-LM's own evaluation or save there, and the plan returns (a "back" transition) once
+a step without such work follows.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
 from chameleon_megatron.configurable import ConfigError
-from chameleon_megatron.training.plugin import TrainerPlugin, plugins_step
-
-logger = logging.getLogger(__name__)
 
 _BUILT_ON_RANK = "is_dataset_built_on_rank"
 
@@ -69,24 +64,3 @@ def plan_data(training: ModuleType, provider: Callable[..., Any]) -> PlanData:
     if isinstance(valid, list):  # Megatron-LM's multiple validation sets: the first
         valid = valid[0] if valid else None
     return PlanData(train, valid, test)
-
-
-def train_step(engine: Any, data: PlanData, plugins: list[TrainerPlugin], *, iteration: int,
-               consumed: int, gbs: int) -> tuple[Any, float]:
-    """Step ``iteration + 1`` through the plan's engine inside the plugins' step context:
-    (what was applied, seconds)."""
-    start = time.perf_counter()
-    with plugins_step(plugins, iteration + 1, training=True):
-        applied = engine.train_step(data.train, consumed, gbs)
-    return applied, time.perf_counter() - start
-
-
-def iteration_record(engine: Any, applied: Any, *, iteration: int, consumed: int, gbs: int,
-                     step_time: float, world_size: int, lr: float) -> dict[str, Any]:
-    """The metrics record of a plan's step (the hook writes the same fields for
-    Megatron-LM's steps); sums the loss over every rank (collective)."""
-    loss, _ = engine.global_loss(applied.reports)
-    return {"event": "iteration", "iteration": iteration, "loss": loss,
-            "step_time_s": step_time, "consumed_samples": consumed, "global_batch_size": gbs,
-            "world_size": world_size, "layout": engine.layout(), "lr": lr,
-            "grad_norm": applied.grad_norm, "skipped": applied.skipped}

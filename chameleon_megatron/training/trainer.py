@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import time
 from importlib.metadata import version
 from typing import Any
 
@@ -20,6 +19,7 @@ from chameleon_megatron.metrics_file import MetricsWriter, continue_run, run_rec
 from chameleon_megatron.training import checkpoint, data, distributed
 from chameleon_megatron.training import model as model_lib
 from chameleon_megatron.training.engine import StepEngine
+from chameleon_megatron.training.engine_step import engine_step, step_record
 from chameleon_megatron.training.env import DistEnv, env_from_torchrun
 from chameleon_megatron.training.frames import clear_frames
 from chameleon_megatron.training.megatron_engine import MegatronEngine
@@ -34,7 +34,7 @@ from chameleon_megatron.training.plugin import (
     plugins_step,
 )
 from chameleon_megatron.training.startup import parameters_held, startup_line
-from chameleon_megatron.training.step import Applied, StepResult, configure_schedule
+from chameleon_megatron.training.step import configure_schedule
 from chameleon_megatron.training.validate import validate_args
 
 logger = logging.getLogger(__name__)
@@ -210,34 +210,18 @@ class Trainer(LoopPosition):
         applied, before the loss is summed across ranks, so they always describe the weights.
         """
         gbs = data.global_batch_size_at(self.args, self.consumed_samples)
-        start = time.perf_counter()
-        with plugins_step(self.plugins, self.iteration + 1, training=True):
-            applied = self._train_step(gbs)
+        applied, seconds = engine_step(self.engine, self.datasets.train, self.plugins,
+                                       iteration=self.iteration,
+                                       consumed=self.consumed_samples, gbs=gbs)
         if not applied.skipped:
             self.scheduler.step(increment=gbs)
         self.iteration += 1
         self.consumed_samples += gbs
-        loss, tokens = self.engine.global_loss(applied.reports)
-        step_time = time.perf_counter() - start
-        result = StepResult(loss=loss, tokens=tokens, grad_norm=applied.grad_norm,
-                            skipped=applied.skipped)
-        return self._record(result, gbs, step_time)
-
-    def _train_step(self, gbs: int) -> Applied:
-        return self.engine.train_step(self.datasets.train, self.consumed_samples, gbs)
-
-    def _record(self, result: StepResult, gbs: int, step_time: float) -> dict[str, Any]:
-        rec: dict[str, Any] = {
-            "event": "iteration", "iteration": self.iteration, "loss": result.loss,
-            "step_time_s": step_time, "consumed_samples": self.consumed_samples,
-            "global_batch_size": gbs, "world_size": self.env.world_size,
-            "layout": self.layout(), "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": result.grad_norm, "skipped": result.skipped,
-            "tokens_per_s": gbs * self.args.seq_length / step_time,
-        }
-        for plugin in self.plugins:
-            rec.update(plugin.metrics())
-        return rec
+        return step_record(self.engine, applied, self.plugins, iteration=self.iteration,
+                           consumed=self.consumed_samples, gbs=gbs, seconds=seconds,
+                           world_size=self.env.world_size,
+                           lr=self.optimizer.param_groups[0]["lr"],
+                           seq_length=self.args.seq_length)
 
     def evaluate(self) -> dict[str, Any]:
         """Mean loss over ``--eval-iters`` validation batches (the same batches every time)."""

@@ -11,8 +11,7 @@ beats, estimator feedback gets the time; before a checkpoint or an evaluation th
 are relaxed to the start-up value until the next step. ``on_step_failed`` hands the failure
 to the controller, ``between_steps`` lets it admit joiners or leave rerouting,
 ``leave_plan`` change from a plan to a megatron layout for Megatron-LM's evaluation or
-checkpoint. ``metrics``
-adds ``{"ft": {"generation", "estimated_step_s"}}``.
+checkpoint. ``metrics`` adds ``{"ft": {"generation", "estimated_step_s"}}``.
 """
 
 from __future__ import annotations
