@@ -356,10 +356,17 @@ def respawned_joins(checkout, plain: tuple[list[dict], str], tmp_path) -> None:
     assert_grown_back(plain, joined)
 
 
-def test_a_new_node_joins_and_the_layout_grows_back(checkout, join_reference, tmp_path):
+PLANS_FT = [a for a in JOIN_FT if a not in MEGATRON_ONLY] + ["--chameleon-ft-strategy",
+                                                            "replan"]
+"""JOIN_FT with the forced re-plan: the survivors run a heterogeneous plan until the join."""
+
+
+@pytest.mark.parametrize("ft", [JOIN_FT, PLANS_FT], ids=["megatron", "plan"])
+def test_a_new_node_joins_and_the_layout_grows_back(checkout, join_reference, tmp_path, ft):
     """The same job on a static rendezvous, without respawns: once rank 3's failure is
     announced, a second chameleon-run (one worker, ``--chameleon-ft-join``) joins it through
-    the job store; the layout grows back as with a respawned worker."""
+    the job store; the layout grows back as with a respawned worker. The survivors run a
+    megatron layout until then, or (``plan``) a heterogeneous plan."""
     ckpt, env = checkout
     out = tmp_path / "ft.jsonl"
     port = free_port()
@@ -368,7 +375,7 @@ def test_a_new_node_joins_and_the_layout_grows_back(checkout, join_reference, tm
     def node(nproc: int, *extra: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "chameleon_megatron.run", *rdzv, "--nproc-per-node",
                str(nproc), "pretrain_gpt.py", *JOIN_JOB, "--chameleon-metrics-file", str(out),
-               *JOIN_FT, *extra]
+               *ft, *extra]
         log = open(tmp_path / f"node{nproc}.log", "w")
         return subprocess.Popen(cmd, env=env, cwd=ckpt, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -393,6 +400,8 @@ def test_a_new_node_joins_and_the_layout_grows_back(checkout, join_reference, tm
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert_grown_back(join_reference, (records, log))
     assert '"event": "node_join", "group_rank": 1' in (tmp_path / "node1.log").read_text()
+    failure = changes(records)[0]
+    assert failure["layout_after"]["mode"] == ("megatron" if ft is JOIN_FT else "hetero")
 
 
 def assert_grown_back(plain: tuple[list[dict], str], joined: tuple[list[dict], str]) -> None:
@@ -412,13 +421,15 @@ def assert_grown_back(plain: tuple[list[dict], str], joined: tuple[list[dict], s
     assert len(VALIDATION.findall(log) + FINAL.findall(log)) == len(wanted)
     for key, value in wanted.items():
         assert float(evaluations[key]) == pytest.approx(float(value), abs=TOLERANCE), key
-    failure, join = recoveries(records)
+    failure, join = changes(records)
     assert (failure["cause"], failure["failed_ranks"]) == ("failure", [3])
     assert (join["cause"], join["joined"], join["failed_ranks"]) == ("join", [4], [])
     assert join["layout_after"]["mode"] == "megatron"
     assert sorted(join["layout_after"]["ranks"]) == [0, 1, 2, 4]
     assert join["migrated_bytes"] > 0  # the joiner's state came from the survivors
     sizes = [(r["iteration"] >= join["redo_iteration"], r["world_size"]) for r in steps]
-    assert sorted(set(sizes)) == [(False, 2), (False, 4), (True, 4)]
+    # a megatron layout of 2 ranks after the failure (a plan runs 3, evaluations 2)
+    plan = failure["layout_after"]["mode"] != "megatron"
+    assert sorted(set(sizes)) == [(False, 2), *[(False, 3)] * plan, (False, 4), (True, 4)]
     # the joiner's pretrain() never built a model of its own: only the first four did
     assert log.count('"event": "chameleon_megatron_lm_hook"') == 4
