@@ -322,8 +322,9 @@ class RecoveryController:
                 self._feedback_record = record
 
     def between_steps(self, trainer: TrainerHandle) -> StepAction | None:
-        """Admit waiting joiners, or leave rerouting when a re-plan now scores better: all
-        active ranks agree (one all-reduce) and change layout together."""
+        """Return to the plan a work transition left (``leave_plan``; every active rank
+        knows it), admit waiting joiners, or leave rerouting when a re-plan now scores
+        better: all active ranks agree (one all-reduce) and change layout together."""
         record, self._feedback_record = self._feedback_record, None
         if record is not None:
             trainer.emit(record)
