@@ -152,10 +152,11 @@ def _plan_steps(args, plan, reroute, me: int, world: dict, profile):
     from chameleon_megatron.resilience.execution.rerouted import run_reroute_step
     from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
     from chameleon_megatron.training import data
+    from chameleon_megatron.training.stage_builder import trainer_stages
 
     rt = build_runtime(args, plan, me, sync_groups=allreduce_groups(plan, profile),
                        sync_rounds=allreduce_rounds(plan, profile), world=world,
-                       reroute=reroute, timeout_s=300)
+                       reroute=reroute, builder=trainer_stages(args), timeout_s=300)
     dataset = data.build_datasets(args).train
     run = run_reroute_step if reroute else run_hetero_step
     consumed = [0]

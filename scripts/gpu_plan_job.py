@@ -115,6 +115,7 @@ def plan_runtime(job: Job, live: list[int], *, overlap: bool = False,
     from chameleon_megatron.resilience.decision.reroute import plan_reroute
     from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
     from chameleon_megatron.resilience.execution.runtime import build_runtime
+    from chameleon_megatron.training.stage_builder import trainer_stages
 
     args = argparse.Namespace(**{**vars(job.args), "overlap_grad_reduce": overlap})
     reroute = plan_reroute(job.plan, dead, job.profile) if dead else None
@@ -122,7 +123,7 @@ def plan_runtime(job: Job, live: list[int], *, overlap: bool = False,
                          sync_groups=allreduce_groups(job.plan, job.profile),
                          sync_rounds=allreduce_rounds(job.plan, job.profile),
                          world={r: k for k, r in enumerate(live)}, reroute=reroute,
-                         timeout_s=TIMEOUT_S)
+                         builder=trainer_stages(args), timeout_s=TIMEOUT_S)
 
 
 def train_step(rt: Any, batches: Callable[[int], dict]) -> Any:

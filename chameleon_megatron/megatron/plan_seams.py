@@ -21,6 +21,7 @@ megatron-core release that changes one is refused before a recovery tries to use
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Iterator, Sequence
 
@@ -142,7 +143,6 @@ def stage_gpt(config: Any, layer_spec: Any, *, args: Any, pre_process: bool,
     """megatron-core's ``GPTModel`` for one stage, on this process's device."""
     from megatron.core.models.gpt import GPTModel
 
-    ensure_memory_buffer()
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
@@ -150,9 +150,25 @@ def stage_gpt(config: Any, layer_spec: Any, *, args: Any, pre_process: bool,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         pg_collection=groups,
-        parallel_output=False,  # whole logits: the plan's loss is computed on them
     )
     return model.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def pipeline_position(stage: int, depth: int) -> Iterator[None]:
+    """Megatron's parallel state answers ``stage`` of ``depth`` for the pipeline rank and
+    size while the body runs (its public overrides): Megatron-LM's builders read them (an
+    MoE block spec, layer offsets), and megatron's state holds no plan's pipelines."""
+    from megatron.core import parallel_state as ps
+
+    kept = (ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE)
+    ps.set_pipeline_model_parallel_rank(stage)
+    ps.set_pipeline_model_parallel_world_size(depth)
+    try:
+        yield
+    finally:
+        ps.set_pipeline_model_parallel_rank(kept[0])
+        ps.set_pipeline_model_parallel_world_size(kept[1])
 
 
 def ensure_memory_buffer() -> None:

@@ -40,6 +40,7 @@ from chameleon_megatron.training.lm_globals import (
     set_megatron_args,
     timers_of,
 )
+from chameleon_megatron.training.lm_stage import megatron_lm_stages
 from chameleon_megatron.training.lm_work import Entry
 from chameleon_megatron.training.loop_position import LoopPosition, end_of_job_due, work_due
 from chameleon_megatron.training.plugin import (
@@ -48,6 +49,7 @@ from chameleon_megatron.training.plugin import (
     TrainContext,
     TrainerPlugin,
 )
+from chameleon_megatron.training.stage_builder import StageBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -465,6 +467,10 @@ class LMLoop(LoopPosition):
     @property
     def rank(self) -> int:
         return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def stage_builder(self) -> StageBuilder:
+        return megatron_lm_stages(self._training.get_args, self.providers.model_provider)
 
     @property
     def world_size(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from chameleon_megatron.training.engine import StepEngine
+    from chameleon_megatron.training.stage_builder import StageBuilder
 
 StepAction = Literal["redo", "stop", "abandon"]
 """What the loop does after a failed step: "redo" it (every rank of the job redoes it),
@@ -82,6 +83,10 @@ class TrainerHandle(Protocol):
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def stage_builder(self) -> StageBuilder:
+        """How a plan builds its stages as this loop builds its model."""
 
     def scheduler_state(self) -> dict[str, Any]:
         """The LR schedule's state (``state_dict``)."""

@@ -33,6 +33,7 @@ from chameleon_megatron.training.plugin import (
     TrainerPlugin,
     plugins_step,
 )
+from chameleon_megatron.training.stage_builder import StageBuilder, trainer_stages
 from chameleon_megatron.training.startup import parameters_held, startup_line
 from chameleon_megatron.training.step import configure_schedule
 from chameleon_megatron.training.validate import validate_args
@@ -180,6 +181,10 @@ class Trainer(LoopPosition):
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def stage_builder(self) -> StageBuilder:
+        return trainer_stages(self.args)
 
     def scheduler_state(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

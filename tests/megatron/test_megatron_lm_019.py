@@ -152,12 +152,14 @@ def test_a_plan_runs_on_0_19s_loop_with_the_failure_free_losses(checkout, tmp_pa
     forced strategy runs through the plan runtime with 0.19's datasets (its provider) and LR
     schedule; every step once, every loss within 1e-4 of 0.19's failure-free run. The
     evaluation after step 3 runs in a megatron layout (PP1 x DP2: step 4), the plan
-    returns for steps 5 and 6."""
+    returns for steps 5 and 6. The job's model flags chameleon's own trainer does not read
+    (``OWN_MODEL``) reach the plan's stages: 0.19's GPT builder builds them from its config."""
     from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
+    from test_megatron_lm_plans import OWN_MODEL
 
     ckpt, env = checkout
     patch.apply(ckpt)
-    steps, done = killed_against_plain(checkout, tmp_path, JOB,
+    steps, done = killed_against_plain(checkout, tmp_path, [*JOB, *OWN_MODEL],
                                        "rank=1,iteration=3,phase=forward,kind=exit",
                                        abs=TOLERANCE, ft=("--chameleon-ft-strategy", strategy))
     assert (done["decision"]["executed"], done["layout_after"]["mode"]) == (strategy, mode)

@@ -127,6 +127,24 @@ def test_evaluations_and_checkpoints_during_a_plan_then_a_fresh_job_resumes_from
         assert r["loss"] == pytest.approx(losses[r["iteration"]], abs=TOLERANCE), r["iteration"]
 
 
+OWN_MODEL = ("--qk-layernorm", "--norm-epsilon", "1e-3")
+"""Model flags chameleon's own trainer does not read: a plan's stage built from its config
+would lack the query/key norms and normalize with another epsilon."""
+
+
+def test_a_plans_stages_are_megatron_lms_own_model_from_its_flags(checkout, tmp_path):
+    """Rank 1 dies in step 3 of a job with ``OWN_MODEL``; the forced heterogeneous re-plan
+    builds its stages through Megatron-LM's own model builder from Megatron-LM's config of
+    the job, and every step has the failure-free loss."""
+    steps, done = killed_against_plain(checkout, tmp_path, [*lm_ft.JOB, *OWN_MODEL],
+                                       "rank=1,iteration=3,phase=forward,kind=exit",
+                                       abs=TOLERANCE, ft=("--chameleon-ft-strategy", "replan"))
+    assert done["layout_after"]["mode"] == "hetero", done["layout_after"]
+    plan = done["layout_after"]["plan"]
+    assert [r["layout"].get("plan") == plan for r in steps] == [False, False, True, False,
+                                                                True, True]
+
+
 def test_eight_ranks_replan_onto_every_survivor(checkout, tmp_path):
     """PP2 x DP4 on 8 ranks, 8 microbatches of one sample per step; rank 5 dies in step 2.
     No megatron layout over 7 ranks divides this model and global batch; the re-plan runs

@@ -122,6 +122,7 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
     from chameleon_megatron.resilience.decision.restorer import allreduce_groups, allreduce_rounds
     from chameleon_megatron.training import data
     from chameleon_megatron.training.optim import build_scheduler
+    from chameleon_megatron.training.stage_builder import trainer_stages
     from dc_helpers import make_profile
 
     args = parse(scenarios()[0].plan.num_layers)
@@ -143,12 +144,13 @@ def plan_worker(out: Path, scenarios: Callable[[], list[Scenario]]) -> int:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{sc.name}/after", store),
                                 rank=live.index(me), world_size=len(live),
                                 timeout=datetime.timedelta(seconds=60))
+        staged = argparse.Namespace(**{**vars(args), "overlap_grad_reduce": sc.overlap,
+                                       "use_distributed_optimizer": sc.distributed})
         rt = build_runtime(
-            argparse.Namespace(**{**vars(args), "overlap_grad_reduce": sc.overlap,
-                                  "use_distributed_optimizer": sc.distributed}), sc.plan,
-            me, sync_groups=allreduce_groups(sc.plan, profile),
+            staged, sc.plan, me, sync_groups=allreduce_groups(sc.plan, profile),
             sync_rounds=allreduce_rounds(sc.plan, profile),
-            world={r: k for k, r in enumerate(live)}, reroute=sc.reroute, timeout_s=60)
+            world={r: k for k, r in enumerate(live)}, reroute=sc.reroute,
+            builder=trainer_stages(staged), timeout_s=60)
         scheduler = build_scheduler(args, rt.optimizer)
         if old is None:
             load_units(rt.model, torch.load(out / "reference.pt")["init"])

@@ -43,6 +43,7 @@ from chameleon_megatron.resilience.execution.plan_groups import PlanGroups, buil
 from chameleon_megatron.resilience.execution.stage_model import build_stage_model, seed_stage
 from chameleon_megatron.resilience.model_state import unwrap
 from chameleon_megatron.training import data
+from chameleon_megatron.training.stage_builder import StageBuilder
 from chameleon_megatron.training.step import Applied, StepResult, loss_func, share_loss
 
 Batches = Callable[[int], dict]
@@ -58,10 +59,11 @@ def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.dev
 
 
 def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
-    """The trainer's forward step, with the cross entropy computed here: megatron's reads the
-    global tensor-parallel group, which a plan does not set up."""
+    """The trainer's forward step, with the cross entropy computed here on the whole logits
+    (gathered over the stage's tensor-parallel group): megatron-core 0.16's reads the global
+    tensor-parallel group, which a plan does not set up."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None)
+    output = model(batch["tokens"], batch["position_ids"], None, runtime_gather_output=True)
     return output, partial(_loss, batch["labels"], batch["loss_mask"])
 
 
@@ -116,7 +118,7 @@ class PlanRuntime:
 def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
                   sync_groups: Sequence[AllReduceGroup], sync_rounds: Sequence[Sequence[int]],
                   world: Mapping[int, int], reroute: ReroutePlan | None = None,
-                  timeout_s: float) -> PlanRuntime:
+                  builder: StageBuilder, timeout_s: float) -> PlanRuntime:
     """Groups, stage model, sync, optimizer. The stage is seeded as the trainer seeds its
     stages and gets megatron's random init: load the real state (and RNG streams) next.
 
@@ -124,7 +126,8 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     ``plan`` (``RestorePlan.groups``/``.rounds``, or ``restorer.allreduce_groups`` and
     ``allreduce_rounds``); ``world``: plan rank -> world rank of every live rank (for a
     heterogeneous plan in ``stage_major_order``); ``reroute``: the rerouting plan of ``plan``
-    when its dead ranks' work is rerouted. Collective over the world."""
+    when its dead ranks' work is rerouted; ``builder``: how the job builds its model.
+    Collective over the world."""
     check_plan_runtime(args, plan)
     plan_seams.check_plan_seams()
     if reroute is not None and reroute.plan != plan:
@@ -135,7 +138,7 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     seed_stage(args.seed, slot_of(plan, me))
     groups = build_plan_groups(plan, me, spec, world=world, pipelines=reroute is None,
                                host=args.use_distributed_optimizer, timeout_s=timeout_s)
-    model, parts, optimizer = build_stage_model(args, plan, groups)
+    model, parts, optimizer = build_stage_model(args, plan, groups, builder)
     sync = GradSync(unwrap(model), spec, me, groups.rounds, groups.tied,
                     tp_index=groups.slot.tp_index, overlap=args.overlap_grad_reduce,
                     tp=groups.tp if plan.tp > 1 else None)

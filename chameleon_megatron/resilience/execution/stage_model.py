@@ -1,11 +1,12 @@
 """The model of one stage of a plan whose layout megatron's parallel state cannot express:
 pipelines of different depths (a re-plan) or a kept layout with dead ranks (rerouting).
 
-A stage is megatron-core's ``GPTModel`` built from the trainer's arguments with its
-pipeline's depth and layer split (any contiguous split, as a
-``pipeline_model_parallel_layout``), so its layers carry their global numbers and its state
-units match every other holder's. With bf16 it runs in ``Float16Module``, as the trainer's
-chunks do. Nothing here reads megatron's parallel state.
+A stage is megatron-core's ``GPTModel`` built as the job builds its model (the loop's
+``StageBuilder``: its config, its builder) with its pipeline's depth and layer split (any
+contiguous split, as a ``pipeline_model_parallel_layout``), so its layers carry their
+global numbers and its state units match every other holder's. With bf16 it runs in
+``Float16Module``, as the job's chunks do. Megatron's parallel state holds no plan: the
+builder sees the stage's pipeline position only (``plan_seams.pipeline_position``).
 
 Its parameters sit in megatron's DDP (fp32 main gradients) and megatron's optimizer, in
 *parts*: with the distributed optimizer, one DDP per gradient-sync group of this rank (a run
@@ -31,29 +32,34 @@ from chameleon_megatron.resilience.decision.placement import Slot
 from chameleon_megatron.resilience.execution.grad_sync import tied_weight, unit_params
 from chameleon_megatron.resilience.execution.plan_groups import PlanGroups
 from chameleon_megatron.resilience.model_state import unit_parameters
-from chameleon_megatron.training.model import (
-    Kernels,
-    available_kernels,
-    ddp_config,
-    half_precision,
-    model_spec,
-    transformer_config,
-)
+from chameleon_megatron.training.model import ddp_config, half_precision
 from chameleon_megatron.training.optim import build_optimizer
+from chameleon_megatron.training.stage_builder import StageBuilder
 
 
-def stage_config(args: argparse.Namespace, counts: Sequence[int], stage: int,
-                 kernels: Kernels, tp: int = 1) -> Any:
-    """The trainer's TransformerConfig for stage ``stage`` of a pipeline with ``counts``
-    layers per stage (any contiguous split), at tensor parallelism ``tp``."""
+PLAN_NEEDS: dict[str, Any] = {
+    # one normaliser for the whole global batch, whatever the pipeline or microbatch share
+    "calculate_per_token_loss": True,
+    # gloo pairs p2p ops by order; batched p2p is wrong when prev and next are one peer
+    "batch_p2p_comm": False,
+    # a stage's layer split is the plan's layout, not the job's
+    "virtual_pipeline_model_parallel_size": None,
+    "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+    # TE's overlapped TP communication is set up for megatron's own TP groups only
+    "tp_comm_overlap": False,
+}
+"""What a plan's stage needs of the job's TransformerConfig, whatever the job set."""
+
+
+def stage_config(base: Any, counts: Sequence[int], stage: int, tp: int = 1) -> Any:
+    """The job's TransformerConfig ``base`` for stage ``stage`` of a pipeline with
+    ``counts`` layers per stage (any contiguous split), at tensor parallelism ``tp``."""
     layout = plan_seams.stage_layout(counts, stage) if len(counts) > 1 else None
-    return dataclasses.replace(
-        transformer_config(args, kernels), tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=len(counts),
-        virtual_pipeline_model_parallel_size=None,
-        num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
-        pipeline_model_parallel_layout=layout,
-    )
+    return dataclasses.replace(base, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=len(counts),
+                               pipeline_model_parallel_layout=layout, **PLAN_NEEDS)
 
 
 class ParamSet(torch.nn.Module):
@@ -86,23 +92,23 @@ def stage_parts(gpt: torch.nn.Module, groups: PlanGroups, *, distributed: bool,
     return parts + ([(rest, groups.solo)] if rest else [])
 
 
-def build_stage_model(args: argparse.Namespace, plan: Plan,
-                      groups: PlanGroups) -> tuple[torch.nn.Module, list[Any], Any]:
-    """The stage of this rank (``groups.slot``) of ``plan``, its DDP parts, and megatron's
-    optimizer over them. Weights are megatron's random init: load the real ones afterwards."""
+def build_stage_model(args: argparse.Namespace, plan: Plan, groups: PlanGroups,
+                      builder: StageBuilder) -> tuple[torch.nn.Module, list[Any], Any]:
+    """The stage of this rank (``groups.slot``) of ``plan`` as ``builder`` builds the job's
+    model, its DDP parts, and megatron's optimizer over them. Weights are megatron's random
+    init: load the real ones afterwards."""
     slot = groups.slot
     pipe = plan.pipelines[slot.pipeline]
-    kernels = available_kernels()
-    if getattr(args, "transformer_impl", None) == "local":  # Megatron-LM's choice of spec
-        kernels = dataclasses.replace(kernels, transformer_engine=False)
-    config = stage_config(args, [len(st.layers) for st in pipe.stages], slot.stage, kernels,
-                          tp=plan.tp)
+    counts = [len(st.layers) for st in pipe.stages]
+    config = stage_config(builder.config(), counts, slot.stage, tp=plan.tp)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
-    spec = model_spec(args, kernels, len(pipe.stages[slot.stage].layers))
-    gpt = plan_seams.stage_gpt(config, spec, args=args,
-                               pre_process=slot.stage == 0,
-                               post_process=slot.stage == pipe.depth - 1,
-                               groups=plan_seams.stage_groups(groups.solo, groups.tp, position))
+    plan_seams.ensure_memory_buffer()
+    with plan_seams.pipeline_position(slot.stage, pipe.depth):
+        gpt = builder.model(config, pre_process=slot.stage == 0,
+                            post_process=slot.stage == pipe.depth - 1,
+                            layers=counts[slot.stage],
+                            groups=plan_seams.stage_groups(groups.solo, groups.tp, position))
+    config = gpt.config  # the one the builder kept (the DDP parts read it too)
     (model,) = half_precision(config, [gpt])
     parts = [
         DistributedDataParallel(

@@ -42,7 +42,7 @@ def rebuild(trainer: TrainerHandle, job: JobStore, membership: Membership,
         trainer.args, decision.plan, me, sync_groups=decision.sync_groups,
         sync_rounds=decision.sync_rounds,
         world={r: k for k, r in enumerate(decision.active)}, reroute=decision.reroute,
-        timeout_s=timeout_s)
+        builder=trainer.stage_builder, timeout_s=timeout_s)
     keepalive()
     trainer.use_engine(PlanEngine(runtime, trainer.device),
                        rank=rank, world_size=size, hints=hints)

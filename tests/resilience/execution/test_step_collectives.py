@@ -134,6 +134,7 @@ def worker(out: Path) -> int:
     )
     from chameleon_megatron.swap.stage_figures import StageFigures
     from chameleon_megatron.training import data
+    from chameleon_megatron.training.stage_builder import trainer_stages
     from dc_helpers import make_profile
 
     rank = int(os.environ["RANK"])
@@ -144,7 +145,7 @@ def worker(out: Path) -> int:
     profile = make_profile(4, gbs=10)
     rt = build_runtime(args, plan, rank, sync_groups=allreduce_groups(plan, profile),
                        sync_rounds=allreduce_rounds(plan, profile), world={0: 0, 1: 1},
-                       timeout_s=60)
+                       builder=trainer_stages(args), timeout_s=60)
     rec = Recorder()
     rec.install()
     norm: list = []

@@ -1,0 +1,69 @@
+"""A plan's stages on Megatron-LM's pretrain_gpt.py, built as Megatron-LM builds its model
+(a ``StageBuilder``): the TransformerConfig from Megatron-LM's arguments
+(``core_transformer_config_from_args``: every model flag of the job) and the model from
+Megatron-LM's own builder with the plan's process groups: the ``model_provider`` the script
+passed to ``pretrain()`` (0.16, 0.17), or where it passes none (0.19: the model comes from a
+config container) the GPT builder of the container ``pretrain()`` would make."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from chameleon_megatron.configurable import ConfigError
+from chameleon_megatron.training.stage_builder import StageBuilder
+
+_PROVIDER_TAKES = ("config", "pg_collection")
+
+
+def megatron_lm_stages(get_args: Callable[[], Any],
+                       model_provider: Callable[..., Any] | None) -> StageBuilder:
+    """Megatron-LM's config and builder of the job whose arguments ``get_args`` returns."""
+    if model_provider is not None:
+        _check_provider(model_provider)
+
+    def config() -> TransformerConfig:
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        return core_transformer_config_from_args(get_args())
+
+    def model(config: TransformerConfig, *, pre_process: bool, post_process: bool,
+              layers: int, groups: Any) -> torch.nn.Module:
+        if model_provider is None:
+            gpt = _container_model(get_args(), config, pre_process, post_process, groups)
+        else:
+            gpt = model_provider(pre_process, post_process, config=config, pg_collection=groups)
+        return gpt.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+
+    return StageBuilder(config, model)
+
+
+def _check_provider(provider: Callable[..., Any]) -> None:
+    """A plan passes its config and groups to the provider (as Megatron-LM's own
+    ``model_provider`` takes them); one that takes neither cannot build a plan's stage."""
+    try:
+        params = inspect.signature(provider).parameters
+    except (TypeError, ValueError):
+        return
+    takes = set(params) | ({"config", "pg_collection"} if any(
+        p.kind is p.VAR_KEYWORD for p in params.values()) else set())
+    missing = [name for name in _PROVIDER_TAKES if name not in takes]
+    if missing:
+        name = getattr(provider, "__qualname__", repr(provider))
+        raise ConfigError(f"model provider {name} takes no {' or '.join(missing)} keyword: "
+                          "a recovery's plan builds its stages through it with the plan's "
+                          "config and process groups (as Megatron-LM's model_provider takes)")
+
+
+def _container_model(args: Any, config: TransformerConfig, pre_process: bool,
+                     post_process: bool, groups: Any) -> torch.nn.Module:
+    """0.19: the model config ``pretrain()`` makes from the arguments, with ``config`` as its
+    transformer, built by its builder class for one stage."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    model_config = gpt_config_from_args(args, config)
+    builder = model_config.get_builder_cls()(model_config)
+    return builder.build_model(groups, pre_process=pre_process, post_process=post_process)

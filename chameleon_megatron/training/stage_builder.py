@@ -1,0 +1,47 @@
+"""How a plan builds the model of one of its stages, as the job builds its own model: the
+job's TransformerConfig (the plan then states its layout in it) and its model builder.
+
+Each loop gives its own (``TrainerHandle.stage_builder``): chameleon's trainer builds from
+its arguments (``trainer_stages``); Megatron-LM's pretrain_gpt.py through Megatron-LM's
+config and builder (``megatron.lm_stage``), so that every model flag of the job reaches a
+plan's stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from chameleon_megatron.megatron import plan_seams
+from chameleon_megatron.training.model import available_kernels, model_spec, transformer_config
+
+
+class BuildStage(Protocol):
+    def __call__(self, config: TransformerConfig, *, pre_process: bool, post_process: bool,
+                 layers: int, groups: Any) -> torch.nn.Module:
+        """The stage's ``GPTModel`` of ``layers`` layers, its process groups ``groups`` (a
+        ``ProcessGroupCollection``), on this process's device."""
+
+
+@dataclass(frozen=True)
+class StageBuilder:
+    config: Callable[[], TransformerConfig]
+    """The job's TransformerConfig, as its own model is built from it."""
+    model: BuildStage
+
+
+def trainer_stages(args: argparse.Namespace) -> StageBuilder:
+    """chameleon's trainer's model: its TransformerConfig and layer spec from ``args``."""
+    kernels = available_kernels()
+
+    def model(config: TransformerConfig, *, pre_process: bool, post_process: bool,
+              layers: int, groups: Any) -> torch.nn.Module:
+        return plan_seams.stage_gpt(config, model_spec(args, kernels, layers), args=args,
+                                    pre_process=pre_process, post_process=post_process,
+                                    groups=groups)
+
+    return StageBuilder(lambda: transformer_config(args, kernels), model)
