@@ -60,7 +60,8 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 COMPONENTS = (MetricsConfig, SwapConfig, ResilienceConfig)
 """What this path supports: its --help offers their flags."""
 PROG = "pretrain_gpt.py"
-PRETRAIN_PARAMS = ("train_valid_test_dataset_provider", "model_provider", "model_type")
+PRETRAIN_PARAMS = ("train_valid_test_dataset_provider", "model_provider", "model_type",
+                   "forward_step_func")
 """What a recovery takes from pretrain()'s arguments (``Providers``, in order)."""
 
 

@@ -1,7 +1,7 @@
 """megatron-core for layouts its parallel state cannot express (``resilience.execution``).
 
 Heterogeneous pipelines and rerouted layouts run megatron-core's own model, schedules and
-communicators over groups built per plan, never through ``parallel_state``'s globals:
+communicators over groups built per plan, never through ``parallel_state``'s own groups:
 
 * a stage's ``GPTModel`` with an explicit ``ProcessGroupCollection`` (``stage_gpt``), its
   layers from a ``pipeline_model_parallel_layout`` that knows the stage (``stage_layout``);
@@ -13,7 +13,9 @@ communicators over groups built per plan, never through ``parallel_state``'s glo
 * megatron's DDP (main-gradient buffers: fp32 for bf16 parameters) and optimizer, one DDP
   per part of a stage whose layers share their holders (``stage_ddp_groups``), stepped by
   the plan with its global gradient norm (``step_with_norm``);
-* seeding of the tensor-parallel RNG tracker, and the scratch buffer attention needs.
+* seeding of the tensor-parallel RNG tracker, and the scratch buffer attention needs;
+* for the job's own code that reads ``parallel_state`` (its model builder, forward step and
+  loss), a view of one stage set in those globals while it runs (``stage_view``).
 
 ``check_plan_seams`` checks each signature these calls rely on (parameter names), so a
 megatron-core release that changes one is refused before a recovery tries to use it.
@@ -73,10 +75,16 @@ passes them by name."""
 
 def plan_seams_refusal() -> str | None:
     """Why this megatron-core cannot run the plan runtime (the first callable whose
-    parameters do not fit), or None when it can."""
+    parameters do not fit, or a global of ``stage_view`` it lacks), or None when it can."""
     import importlib
 
     from megatron.core import __version__ as mcore_version
+    from megatron.core import parallel_state
+
+    lacking = [name for name in STAGE_VIEW if not hasattr(parallel_state, name)]
+    if lacking:
+        return (f"megatron-core {mcore_version}: megatron.core.parallel_state lacks "
+                f"{', '.join(lacking)}; a plan's stages need them (see docs/heterogeneous.md)")
 
     for path, params in NEEDS.items():
         module_name, _, attr = f"megatron.core.{path}".rpartition(".")
@@ -154,21 +162,32 @@ def stage_gpt(config: Any, layer_spec: Any, *, args: Any, pre_process: bool,
     return model.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
 
+STAGE_VIEW = ("_TENSOR_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS",
+              "_MPU_TENSOR_MODEL_PARALLEL_RANK", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+              "_MPU_PIPELINE_MODEL_PARALLEL_RANK", "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+              "_CONTEXT_PARALLEL_GROUP", "_CONTEXT_PARALLEL_GLOBAL_RANKS")
+"""The globals of megatron's ``parallel_state`` a stage's view sets (``stage_view``)."""
+
+
 @contextlib.contextmanager
-def pipeline_position(stage: int, depth: int) -> Iterator[None]:
-    """Megatron's parallel state answers ``stage`` of ``depth`` for the pipeline rank and
-    size while the body runs (its public overrides): Megatron-LM's builders read them (an
-    MoE block spec, layer offsets), and megatron's state holds no plan's pipelines."""
+def stage_view(*, stage: int, depth: int, tp: dist.ProcessGroup,
+               cp: dist.ProcessGroup) -> Iterator[None]:
+    """Megatron's parallel state as one stage of a plan sees it, while the body runs: its
+    pipeline position (``stage`` of ``depth``), its tensor-parallel group ``tp`` and ``cp``
+    (this rank alone) as context-parallel group; as it was afterwards. A job's own model
+    builder, forward step and loss read these globals (which pipeline stage loads data,
+    where a batch is broadcast from, the vocabulary-parallel cross entropy's group), and
+    megatron's state holds no plan."""
     from megatron.core import parallel_state as ps
 
-    kept = (ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE)
-    ps.set_pipeline_model_parallel_rank(stage)
-    ps.set_pipeline_model_parallel_world_size(depth)
+    view = (tp, dist.get_process_group_ranks(tp), tp.rank(), tp.size(), stage, depth,
+            cp, dist.get_process_group_ranks(cp))
+    kept = {name: getattr(ps, name) for name in STAGE_VIEW}
+    vars(ps).update(zip(STAGE_VIEW, view))
     try:
         yield
     finally:
-        ps.set_pipeline_model_parallel_rank(kept[0])
-        ps.set_pipeline_model_parallel_world_size(kept[1])
+        vars(ps).update(kept)
 
 
 def ensure_memory_buffer() -> None:

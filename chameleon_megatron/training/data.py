@@ -72,10 +72,15 @@ def microbatch_indices(consumed: int, *, micro: int, dp: int, dp_rank: int,
     ]
 
 
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+"""What a microbatch holds of its samples (Megatron-LM's datasets add the attention mask
+where ``--create-attention-mask-in-dataloader`` says)."""
+
+
 def _collate(dataset: Dataset, indices: list[int], device: torch.device) -> dict:
     samples = [dataset[i % len(dataset)] for i in indices]
-    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
-             ("tokens", "labels", "loss_mask", "position_ids")}
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in BATCH_KEYS
+             if k in samples[0]}
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 

@@ -75,6 +75,7 @@ class Providers:
     dataset_provider: Callable[..., Any]
     model_provider: Callable[..., Any]
     model_type: Any
+    forward_step_func: Callable[..., Any]
 
 
 class LMLoop(LoopPosition):
@@ -470,7 +471,8 @@ class LMLoop(LoopPosition):
 
     @property
     def stage_builder(self) -> StageBuilder:
-        return megatron_lm_stages(self._training.get_args, self.providers.model_provider)
+        return megatron_lm_stages(self._training.get_args, self.providers.model_provider,
+                                  self.providers.forward_step_func)
 
     @property
     def world_size(self) -> int:

@@ -1,9 +1,10 @@
-"""A plan's stages on Megatron-LM's pretrain_gpt.py, built as Megatron-LM builds its model
-(a ``StageBuilder``): the TransformerConfig from Megatron-LM's arguments
-(``core_transformer_config_from_args``: every model flag of the job) and the model from
+"""A plan's stages on Megatron-LM's pretrain_gpt.py, built and run as Megatron-LM builds
+and runs its model (a ``StageBuilder``): the TransformerConfig from Megatron-LM's arguments
+(``core_transformer_config_from_args``: every model flag of the job); the model from
 Megatron-LM's own builder with the plan's process groups: the ``model_provider`` the script
 passed to ``pretrain()`` (0.16, 0.17), or where it passes none (0.19: the model comes from a
-config container) the GPT builder of the container ``pretrain()`` would make."""
+config container) the GPT builder of the container ``pretrain()`` would make; the script's
+``forward_step_func`` (its batch, its loss)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from chameleon_megatron.configurable import ConfigError
-from chameleon_megatron.training.stage_builder import StageBuilder
+from chameleon_megatron.training.stage_builder import ForwardStep, StageBuilder
 
 _PROVIDER_TAKES = ("config", "pg_collection")
 
 
-def megatron_lm_stages(get_args: Callable[[], Any],
-                       model_provider: Callable[..., Any] | None) -> StageBuilder:
-    """Megatron-LM's config and builder of the job whose arguments ``get_args`` returns."""
+def megatron_lm_stages(get_args: Callable[[], Any], model_provider: Callable[..., Any] | None,
+                       forward_step_func: ForwardStep) -> StageBuilder:
+    """Megatron-LM's config, builder and forward step of the job whose arguments
+    ``get_args`` returns."""
     if model_provider is not None:
         _check_provider(model_provider)
 
@@ -38,7 +40,7 @@ def megatron_lm_stages(get_args: Callable[[], Any],
             gpt = model_provider(pre_process, post_process, config=config, pg_collection=groups)
         return gpt.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
-    return StageBuilder(config, model)
+    return StageBuilder(config, model, forward_step_func)
 
 
 def _check_provider(provider: Callable[..., Any]) -> None:

@@ -1,5 +1,6 @@
-"""How a plan builds the model of one of its stages, as the job builds its own model: the
-job's TransformerConfig (the plan then states its layout in it) and its model builder.
+"""How a plan builds and runs the model of one of its stages, as the job builds and runs its
+own model: the job's TransformerConfig (the plan then states its layout in it), its model
+builder and its forward step (with its loss).
 
 Each loop gives its own (``TrainerHandle.stage_builder``): chameleon's trainer builds from
 its arguments (``trainer_stages``); Megatron-LM's pretrain_gpt.py through Megatron-LM's
@@ -11,13 +12,18 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from megatron.core.transformer import TransformerConfig
 
 from chameleon_megatron.megatron import plan_seams
 from chameleon_megatron.training.model import available_kernels, model_spec, transformer_config
+from chameleon_megatron.training.step import forward_step
+
+ForwardStep = Callable[[Iterator[Any], torch.nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
+"""megatron's schedules' ``forward_step_func``: (data iterator, model) -> (output, the loss
+function of the output)."""
 
 
 class BuildStage(Protocol):
@@ -32,6 +38,9 @@ class StageBuilder:
     config: Callable[[], TransformerConfig]
     """The job's TransformerConfig, as its own model is built from it."""
     model: BuildStage
+    forward_step: ForwardStep
+    """The job's forward step and loss; the plan runs them in its stage's view of megatron's
+    parallel state."""
 
 
 def trainer_stages(args: argparse.Namespace) -> StageBuilder:
@@ -44,4 +53,4 @@ def trainer_stages(args: argparse.Namespace) -> StageBuilder:
                                     pre_process=pre_process, post_process=post_process,
                                     groups=groups)
 
-    return StageBuilder(lambda: transformer_config(args, kernels), model)
+    return StageBuilder(lambda: transformer_config(args, kernels), model, forward_step)

@@ -110,3 +110,30 @@ def rename_train_model_parameter(ckpt: Path) -> None:
     old = re.compile(r"def train\((\s*)forward_step_func,(\s*)model,")
     assert len(old.findall(text)) == 1
     training.write_text(old.sub(r"def train(\1forward_step_func,\2models,", text))
+
+
+DOUBLED_LOSS = '''
+_megatron_forward_step = forward_step
+
+
+def forward_step(data_iterator, model, return_schedule_plan=False):
+    """A user's own loss: twice Megatron-LM's (its reported value too)."""
+    output, loss = _megatron_forward_step(data_iterator, model)
+
+    def doubled(output_tensor):
+        total, tokens, report = loss(output_tensor)
+        return 2 * total, tokens, {k: torch.cat([2 * v[:1], v[1:]]) for k, v in report.items()}
+    return output, doubled
+
+
+'''
+
+
+def double_the_loss(ckpt: Path) -> None:
+    """Give the checkout's pretrain_gpt.py a forward step of its own (``DOUBLED_LOSS``): a
+    run that computed Megatron-LM's loss instead reports half its losses."""
+    script = ckpt / "pretrain_gpt.py"
+    text = script.read_text()
+    main = 'if __name__ == "__main__":'
+    assert text.count(main) == 1
+    script.write_text(text.replace(main, DOUBLED_LOSS + main))

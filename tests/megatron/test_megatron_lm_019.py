@@ -16,7 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_support import (  # noqa: E402
-    REAL_019, REPO, copy_checkout, patch, rename_train_model_parameter, script_bytes,
+    REAL_019, REPO, copy_checkout, double_the_loss, patch, rename_train_model_parameter,
+    script_bytes,
 )
 from test_megatron_lm_real import USER_FLAGS, iterations, readme_recipe  # noqa: E402
 from test_megatron_lm_presets import PRESETS, probe_preset  # noqa: E402
@@ -152,16 +153,19 @@ def test_a_plan_runs_on_0_19s_loop_with_the_failure_free_losses(checkout, tmp_pa
     forced strategy runs through the plan runtime with 0.19's datasets (its provider) and LR
     schedule; every step once, every loss within 1e-4 of 0.19's failure-free run. The
     evaluation after step 3 runs in a megatron layout (PP1 x DP2: step 4), the plan
-    returns for steps 5 and 6. The job's model flags chameleon's own trainer does not read
-    (``OWN_MODEL``) reach the plan's stages: 0.19's GPT builder builds them from its config."""
+    returns for steps 5 and 6. The script has a loss of its own (``double_the_loss``) and
+    model flags chameleon's own trainer does not read (``OWN_MODEL``): the plan's stages are
+    0.19's GPT builder's from its config, trained with the script's forward step."""
     from test_megatron_lm_ft import JOB, TOLERANCE, killed_against_plain
     from test_megatron_lm_plans import OWN_MODEL
 
     ckpt, env = checkout
     patch.apply(ckpt)
+    double_the_loss(ckpt)
     steps, done = killed_against_plain(checkout, tmp_path, [*JOB, *OWN_MODEL],
                                        "rank=1,iteration=3,phase=forward,kind=exit",
-                                       abs=TOLERANCE, ft=("--chameleon-ft-strategy", strategy))
+                                       abs=2 * TOLERANCE,
+                                       ft=("--chameleon-ft-strategy", strategy))
     assert (done["decision"]["executed"], done["layout_after"]["mode"]) == (strategy, mode)
     assert [r["world_size"] for r in steps] == [4, 4, 3, 2, 3, 3]
 

@@ -31,7 +31,7 @@ from test_megatron_lm_ft import (  # noqa: E402
     recoveries,
 )
 
-from lm_support import needs_real  # noqa: E402
+from lm_support import copy_checkout, double_the_loss, needs_real, patch  # noqa: E402
 
 pytestmark = [needs_real, pytest.mark.serial, pytest.mark.timeout(600)]
 checkout, reference, join_reference = lm_ft.checkout, lm_ft.reference, lm_ft.join_reference
@@ -132,13 +132,19 @@ OWN_MODEL = ("--qk-layernorm", "--norm-epsilon", "1e-3")
 would lack the query/key norms and normalize with another epsilon."""
 
 
-def test_a_plans_stages_are_megatron_lms_own_model_from_its_flags(checkout, tmp_path):
-    """Rank 1 dies in step 3 of a job with ``OWN_MODEL``; the forced heterogeneous re-plan
-    builds its stages through Megatron-LM's own model builder from Megatron-LM's config of
-    the job, and every step has the failure-free loss."""
-    steps, done = killed_against_plain(checkout, tmp_path, [*lm_ft.JOB, *OWN_MODEL],
+def test_a_plans_stages_are_megatron_lms_model_and_the_scripts_forward_step(tmp_path):
+    """A pretrain_gpt.py with a loss of its own (``double_the_loss``) and model flags
+    chameleon's trainer does not read (``OWN_MODEL``). Rank 1 dies in step 3; the forced
+    heterogeneous re-plan builds its stages through Megatron-LM's own model builder from
+    Megatron-LM's config of the job, and trains them with the script's forward step: every
+    step has the failure-free loss of that script."""
+    ckpt, env = copy_checkout(tmp_path / "Megatron-LM")
+    patch.apply(ckpt)
+    double_the_loss(ckpt)
+    steps, done = killed_against_plain((ckpt, env), tmp_path, [*lm_ft.JOB, *OWN_MODEL],
                                        "rank=1,iteration=3,phase=forward,kind=exit",
-                                       abs=TOLERANCE, ft=("--chameleon-ft-strategy", "replan"))
+                                       abs=2 * TOLERANCE,
+                                       ft=("--chameleon-ft-strategy", "replan"))
     assert done["layout_after"]["mode"] == "hetero", done["layout_after"]
     plan = done["layout_after"]["plan"]
     assert [r["layout"].get("plan") == plan for r in steps] == [False, False, True, False,

@@ -165,7 +165,7 @@ class Resume(TrainerPlugin):
 
 
 def run(fake: Megatron, plugins: list[TrainerPlugin]) -> tuple[int, float]:
-    loop = LMLoop(fake, plugins, Providers("datasets", "model", "type"), setup=None,
+    loop = LMLoop(fake, plugins, Providers("datasets", "model", "type", "forward"), setup=None,
                   build_iterators=fake.build_iterators, announce=lambda ctx: None,
                   emit=lambda rec: None, new_world=lambda rank: None)
     fake.loop = loop
@@ -244,7 +244,7 @@ class Admit(TrainerPlugin):
 
 
 def join(fake: Megatron, plugins: list[TrainerPlugin]) -> tuple[int, float]:
-    loop = LMLoop(fake, plugins, Providers("datasets", "model", "type"), setup=None,
+    loop = LMLoop(fake, plugins, Providers("datasets", "model", "type", "forward"), setup=None,
                   build_iterators=fake.build_iterators, announce=lambda ctx: None,
                   emit=lambda rec: None, new_world=lambda rank: None)
     fake.loop = loop
@@ -332,7 +332,7 @@ def test_a_rebuild_states_the_new_layout_only_once_it_has_succeeded(setup_fails:
         "pipeline_model_parallel_world_size", "data_parallel_rank",
         "pipeline_model_parallel_group")})
     fake.args.virtual_pipeline_model_parallel_size = None
-    loop = LMLoop(fake, [], Providers("datasets", "model", "type"), setup=setup,
+    loop = LMLoop(fake, [], Providers("datasets", "model", "type", "forward"), setup=setup,
                   build_iterators=fake.build_iterators, announce=lambda ctx: None,
                   emit=lambda rec: None, new_world=lambda rank: None,
                   set_args=lambda args: setattr(fake, "args", args))

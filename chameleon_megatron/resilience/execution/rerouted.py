@@ -37,7 +37,6 @@ from chameleon_megatron.resilience.execution.runtime import (
     step_result,
     zero_grads,
 )
-from chameleon_megatron.resilience.execution.runtime import forward_step as plan_forward_step
 from chameleon_megatron.training.step import Applied, StepResult, share_loss
 
 
@@ -142,7 +141,7 @@ class _Runner:
     def forward(self, op: Op) -> None:
         x = self._take(op, requires_grad=self.keep)
         out, tokens = plan_seams.forward_one(
-            plan_forward_step, iter([self.batches(op.microbatch)]), self.rt.model,
+            self.rt.forward_step, iter([self.batches(op.microbatch)]), self.rt.model,
             input_tensor=x, reports=self.reports, config=self.config,
             microbatch=op.microbatch, is_last_stage=self.last)
         self.tokens += tokens

@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from chameleon_megatron.megatron import plan_seams
 from chameleon_megatron.resilience.decision.layout import Plan
@@ -43,8 +42,8 @@ from chameleon_megatron.resilience.execution.plan_groups import PlanGroups, buil
 from chameleon_megatron.resilience.execution.stage_model import build_stage_model, seed_stage
 from chameleon_megatron.resilience.model_state import unwrap
 from chameleon_megatron.training import data
-from chameleon_megatron.training.stage_builder import StageBuilder
-from chameleon_megatron.training.step import Applied, StepResult, loss_func, share_loss
+from chameleon_megatron.training.stage_builder import ForwardStep, StageBuilder
+from chameleon_megatron.training.step import Applied, StepResult, share_loss
 
 Batches = Callable[[int], dict]
 """Global microbatch index of the step -> its batch (tokens, labels, loss_mask, position_ids)."""
@@ -58,18 +57,19 @@ def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.dev
     return batch
 
 
-def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
-    """The trainer's forward step, with the cross entropy computed here on the whole logits
-    (gathered over the stage's tensor-parallel group): megatron-core 0.16's reads the global
-    tensor-parallel group, which a plan does not set up."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, runtime_gather_output=True)
-    return output, partial(_loss, batch["labels"], batch["loss_mask"])
+def stage_forward_step(forward_step: ForwardStep,
+                       view: Callable[[], ContextManager[None]]) -> ForwardStep:
+    """The job's ``forward_step`` and the loss function it returns, each run in ``view``
+    (the stage's view of megatron's parallel state, ``plan_seams.stage_view``)."""
+    def step(data_iterator: Iterator[dict], model: torch.nn.Module):
+        with view():
+            output, loss = forward_step(data_iterator, model)
 
-
-def _loss(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):
-    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    return loss_func(loss_mask, losses.view_as(labels))
+        def loss_in_view(output_tensor: torch.Tensor):
+            with view():
+                return loss(output_tensor)
+        return output, loss_in_view
+    return step
 
 
 @dataclass
@@ -92,6 +92,8 @@ class PlanRuntime:
     groups: PlanGroups
     p2p: Any
     """megatron's communicator over this rank's pipeline (None: depth 1 or rerouting)."""
+    forward_step: ForwardStep
+    """The job's forward step, in this stage's view of megatron's parallel state."""
 
     @property
     def gpt(self) -> torch.nn.Module:
@@ -152,8 +154,11 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     depth = plan.pipelines[groups.slot.pipeline].depth
     p2p = (plan_seams.p2p_communicator(groups.pipeline, model.config)
            if reroute is None and depth > 1 else None)
+    view = partial(plan_seams.stage_view, stage=groups.slot.stage, depth=depth, tp=groups.tp,
+                   cp=groups.solo)
     return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model, parts=parts,
-                       optimizer=optimizer, sync=sync, groups=groups, p2p=p2p)
+                       optimizer=optimizer, sync=sync, groups=groups, p2p=p2p,
+                       forward_step=stage_forward_step(builder.forward_step, view))
 
 
 def run_hetero_step(rt: PlanRuntime, batches: Batches) -> StepResult:
@@ -185,7 +190,7 @@ def _pipeline_schedule(rt: PlanRuntime, batches: Batches, *, forward_only: bool)
     ids = microbatch_ids(rt.plan)[rt.slot.pipeline]
     depth = rt.plan.pipelines[rt.slot.pipeline].depth
     return plan_seams.pipeline_schedule(depth)(
-        forward_step_func=forward_step, data_iterator=(batches(g) for g in ids),
+        forward_step_func=rt.forward_step, data_iterator=(batches(g) for g in ids),
         model=rt.model, num_microbatches=len(ids), seq_length=rt.args.seq_length,
         micro_batch_size=rt.args.micro_batch_size, forward_only=forward_only,
         p2p_communicator=rt.p2p, pg_collection=rt.schedule_groups(),

@@ -6,7 +6,7 @@ A stage is megatron-core's ``GPTModel`` built as the job builds its model (the l
 contiguous split, as a ``pipeline_model_parallel_layout``), so its layers carry their
 global numbers and its state units match every other holder's. With bf16 it runs in
 ``Float16Module``, as the job's chunks do. Megatron's parallel state holds no plan: the
-builder sees the stage's pipeline position only (``plan_seams.pipeline_position``).
+builder runs in a view of this stage (``plan_seams.stage_view``).
 
 Its parameters sit in megatron's DDP (fp32 main gradients) and megatron's optimizer, in
 *parts*: with the distributed optimizer, one DDP per gradient-sync group of this rank (a run
@@ -103,7 +103,8 @@ def build_stage_model(args: argparse.Namespace, plan: Plan, groups: PlanGroups,
     config = stage_config(builder.config(), counts, slot.stage, tp=plan.tp)
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
     plan_seams.ensure_memory_buffer()
-    with plan_seams.pipeline_position(slot.stage, pipe.depth):
+    with plan_seams.stage_view(stage=slot.stage, depth=pipe.depth, tp=groups.tp,
+                               cp=groups.solo):
         gpt = builder.model(config, pre_process=slot.stage == 0,
                             post_process=slot.stage == pipe.depth - 1,
                             layers=counts[slot.stage],

@@ -6,6 +6,8 @@ A 2-rank gloo job, every torch.distributed call and every host read of a tensor 
 * the plan runtime (two depth-1 pipelines holding the whole model, 5 microbatches each):
   every step the same calls; the gradient norm one all-reduce and one host read (not one
   per parameter); the gradient sync no host read (the token count divides on the device);
+  megatron's vocabulary-parallel cross entropy its three all-reduces per microbatch over
+  the stage's tensor-parallel group (this rank alone), as in a megatron layout;
 * the swap plugin's stage figures over a 2-stage group: one flag all-reduce per step, the
   figures gathered (``all_gather_object``) only in the first step and the step where a
   stage's figures changed, every rank's record holding both stages' current figures.
@@ -30,6 +32,8 @@ from rt_support import guard_worker  # noqa: E402
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 STEPS = 3
+MICROBATCHES = 5
+"""Each pipeline's microbatches per step."""
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier",
                "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
                "batch_isend_irecv", "isend", "irecv", "send", "recv")
@@ -54,10 +58,12 @@ def test_the_plan_runtime_issues_the_same_calls_every_step(counts: list[dict]) -
         sync = got["rounds"] + 1 + got["tied"]
         assert got["tied"] and steps[2]["sync"] == {"all_reduce": sync}, (rank, steps[2])
         assert steps[2]["norm"] == {"all_reduce": 1, "__float__": 1}, (rank, steps[2])
-        # and the loss; torch's CPU Adam reads each parameter's step count (``item``: not
-        # counted; megatron's optimizer on GPUs is fused)
+        # the cross entropy, and the loss; torch's CPU Adam reads each parameter's step
+        # count (``item``: not counted; megatron's optimizer on GPUs is fused)
         calls = {k: v for k, v in steps[2]["calls"].items() if k != "item"}
-        assert calls == {"all_reduce": sync + 2, "__float__": 1, "tolist": 1}, (rank, calls)
+        entropy = 3 * MICROBATCHES
+        assert calls == {"all_reduce": sync + 2 + entropy, "__float__": 1, "tolist": 1}, (
+            rank, calls)
 
 
 def test_stage_figures_are_gathered_only_when_they_change(counts: list[dict]) -> None:
@@ -141,7 +147,7 @@ def worker(out: Path) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     args = parse(4)
     plan = Plan(num_layers=4, pipelines=tuple(
-        Pipeline(stages=(Stage(tuple(range(4)), (r,)),), microbatches=5) for r in (0, 1)))
+        Pipeline(stages=(Stage(tuple(range(4)), (r,)),), microbatches=MICROBATCHES) for r in (0, 1)))
     profile = make_profile(4, gbs=10)
     rt = build_runtime(args, plan, rank, sync_groups=allreduce_groups(plan, profile),
                        sync_rounds=allreduce_rounds(plan, profile), world={0: 0, 1: 1},
