@@ -14,7 +14,6 @@ from typing import Any, Callable
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.training.stage_builder import ForwardStep, StageBuilder
 
 _PROVIDER_TAKES = ("config", "pg_collection")
@@ -24,9 +23,6 @@ def megatron_lm_stages(get_args: Callable[[], Any], model_provider: Callable[...
                        forward_step_func: ForwardStep) -> StageBuilder:
     """Megatron-LM's config, builder and forward step of the job whose arguments
     ``get_args`` returns."""
-    if model_provider is not None:
-        _check_provider(model_provider)
-
     def config() -> TransformerConfig:
         from megatron.training.arguments import core_transformer_config_from_args
 
@@ -40,24 +36,26 @@ def megatron_lm_stages(get_args: Callable[[], Any], model_provider: Callable[...
             gpt = model_provider(pre_process, post_process, config=config, pg_collection=groups)
         return gpt.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
-    return StageBuilder(config, model, forward_step_func)
+    refusal = None if model_provider is None else provider_refusal(model_provider)
+    return StageBuilder(config, model, forward_step_func, refusal)
 
 
-def _check_provider(provider: Callable[..., Any]) -> None:
-    """A plan passes its config and groups to the provider (as Megatron-LM's own
-    ``model_provider`` takes them); one that takes neither cannot build a plan's stage."""
+def provider_refusal(provider: Callable[..., Any]) -> str | None:
+    """A plan passes its config and process groups to the model provider, as Megatron-LM's
+    own ``model_provider`` takes them: why ``provider`` cannot take them, or None."""
     try:
         params = inspect.signature(provider).parameters
-    except (TypeError, ValueError):
-        return
-    takes = set(params) | ({"config", "pg_collection"} if any(
-        p.kind is p.VAR_KEYWORD for p in params.values()) else set())
-    missing = [name for name in _PROVIDER_TAKES if name not in takes]
-    if missing:
-        name = getattr(provider, "__qualname__", repr(provider))
-        raise ConfigError(f"model provider {name} takes no {' or '.join(missing)} keyword: "
-                          "a recovery's plan builds its stages through it with the plan's "
-                          "config and process groups (as Megatron-LM's model_provider takes)")
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [name for name in _PROVIDER_TAKES if name not in params]
+    if not missing:
+        return None
+    name = getattr(provider, "__qualname__", None) or getattr(
+        getattr(provider, "func", None), "__qualname__", repr(provider))
+    return (f"the model provider {name} takes no {' or '.join(missing)} keyword: a plan "
+            "builds its stages through it with the plan's config and process groups")
 
 
 def _container_model(args: Any, config: TransformerConfig, pre_process: bool,

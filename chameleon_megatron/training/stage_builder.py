@@ -41,6 +41,9 @@ class StageBuilder:
     forward_step: ForwardStep
     """The job's forward step and loss; the plan runs them in its stage's view of megatron's
     parallel state."""
+    refusal: str | None = None
+    """Why the job's model cannot be a plan's stage (the decision center then proposes no
+    plan), or None."""
 
 
 def trainer_stages(args: argparse.Namespace) -> StageBuilder:

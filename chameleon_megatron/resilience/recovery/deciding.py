@@ -169,17 +169,19 @@ class Decider:
             members=tuple(sorted(standing.members)),
             stale=tuple(sorted(set(standing.members) - set(standing.active))),
             plans=("ft.plans=false: megatron layouts only" if not self.ft.plans
-                   else self._seams_refusal() or plan_refusal(trainer.args, standing.plan)),
+                   else self._seams_refusal(trainer)
+                   or plan_refusal(trainer.args, standing.plan)),
             replicated=self.ft.keep_replicas,
             step_time_s=None if user else self.detector.typical_step_time,
             regroup_s=None if user else standing.regroup_s,
             history=() if user else tuple(self.feedback.observations()))
 
-    def _seams_refusal(self) -> str | None:
-        """Why this process's megatron-core cannot run plans (``plan_seams``), checked once:
-        the basis is built between steps."""
+    def _seams_refusal(self, trainer: TrainerHandle) -> str | None:
+        """Why this process's megatron-core (``plan_seams``) or the job's model (its
+        ``stage_builder``) cannot run plans, checked once: the basis is built between
+        steps."""
         if self._seams is None:
-            self._seams = (plan_seams_refusal(),)
+            self._seams = (plan_seams_refusal() or trainer.stage_builder.refusal,)
         return self._seams[0]
 
     def profile(self, trainer: TrainerHandle, basis: DecisionBasis) -> Profile:

@@ -360,7 +360,8 @@ def test_a_rerouting_job_asks_again_whether_to_re_plan(tmp_path, prior_s, replan
     args = tiny_args(micro_batch_size=1, bf16=False, optimizer="adam",
                      use_distributed_optimizer=False, num_experts=None, moe_aux_loss_coeff=0.0,
                      sequence_parallel=False)
-    trainer = SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"))
+    trainer = SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"),
+                              stage_builder=SimpleNamespace(refusal=None))
     assert controller.decider.replan_wins(trainer, controller.standing()) is replan
 
 

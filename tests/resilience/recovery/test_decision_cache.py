@@ -28,7 +28,8 @@ PP2_DP4 = uniform_plan(UniformLayout(tp=1, pp=2, dp=4), list(range(8)), 4, 8)
 ARGS = argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                           micro_batch_size=2, global_batch_size=16, padded_vocab_size=128,
                           tensor_model_parallel_size=1, rampup_batch_size=None)
-TRAINER = SimpleNamespace(args=ARGS, device=torch.device("cpu"))
+TRAINER = SimpleNamespace(args=ARGS, device=torch.device("cpu"),
+                          stage_builder=SimpleNamespace(refusal=None))
 
 
 def controller(step_s: float = 0.5, plan=PP2_DP4, me: int = 0,
@@ -126,6 +127,34 @@ def test_plans_are_refused_when_turned_off_or_when_megatron_core_cannot_run_them
         assert record["mode"] == "megatron" and record["executed"] != "reroute", record
     for c in (on, off, missing):
         c.close(finished=False)
+
+
+def test_plans_are_refused_when_the_jobs_model_provider_cannot_build_a_stage() -> None:
+    """A pretrain_gpt.py whose ``model_provider`` takes no config and process groups (a plan
+    builds its stages through it with both): megatron layouts only, the reason recorded."""
+    from chameleon_megatron.training.lm_stage import megatron_lm_stages, provider_refusal
+
+    def own_provider(pre_process=True, post_process=True, vp_stage=None):
+        raise AssertionError("not built in this test")
+
+    def takes_both(pre_process=True, post_process=True, config=None, pg_collection=None):
+        raise AssertionError("not built in this test")
+
+    assert provider_refusal(takes_both) is None
+    assert provider_refusal(lambda *args, **kwargs: None) is None
+    builder = megatron_lm_stages(lambda: ARGS, own_provider, forward_step_func=None)
+    assert builder.refusal == provider_refusal(own_provider)
+    assert "own_provider takes no config or pg_collection keyword" in builder.refusal
+    trainer = SimpleNamespace(**{**vars(TRAINER), "stage_builder": builder})
+    c = controller()
+    assert c.decider.basis(trainer, c.standing()).plans == builder.refusal
+    alive = tuple(range(7))
+    c.members = alive
+    record = c.decider.decide(trainer, c.standing(), Membership(2, alive, frozenset({7})),
+                              Agreed(iteration=3, consumed_samples=48, scheduler={},
+                                     fresh=alive, stale=()))["record"]
+    assert record["mode"] == "megatron", record
+    c.close(finished=False)
 
 
 def test_node_failures_are_precomputed_from_the_agents_beats() -> None:

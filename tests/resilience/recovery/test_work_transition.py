@@ -82,7 +82,8 @@ def rerouting(tmp_path):
     args = tiny_args(micro_batch_size=1, bf16=False, optimizer="adam",
                      use_distributed_optimizer=False, num_experts=None, moe_aux_loss_coeff=0.0,
                      sequence_parallel=False)
-    return controller, SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"))
+    return controller, SimpleNamespace(args=args, iteration=5, device=torch.device("cpu"),
+                                       stage_builder=SimpleNamespace(refusal=None))
 
 
 def test_work_leaves_the_plan_for_a_megatron_layout_and_the_plan_comes_back(rerouting) -> None:
