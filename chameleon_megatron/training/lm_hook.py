@@ -287,7 +287,7 @@ class MegatronLMHook:
             if self.loop is None:
                 return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
-            if self.loop.skips_end_of_job(phase):
+            if self.loop.end.skips(phase):
                 return None  # pretrain()'s end-of-job call: the loop ran it, recovered
             current(bound.arguments)
             if self.loop.after_step in END_OF_JOB:  # the loop's own call, marked there

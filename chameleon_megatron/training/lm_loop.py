@@ -12,13 +12,12 @@ step and data iterators rebuilt at that sample: the same global batches, the sam
 Once the original returns, the loop runs the work ``pretrain()`` does after ``train()``
 (``END_OF_JOB``: its final checkpoint, its evaluations on the validation and test sets) in
 the same recovery scope, with the objects trained now; pretrain()'s own calls of that work
-are then skipped (``skips_end_of_job``), so a failure there is recovered like one in a step.
+are then skipped (``lm_end``), so a failure there is recovered like one in a step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -27,14 +26,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from chameleon_megatron.configurable import ConfigError
 from chameleon_megatron.megatron.ddp_release import release_grad_hooks
-from chameleon_megatron.training import lm_plan, lm_work
+from chameleon_megatron.training import lm_layout, lm_plan, lm_work
 from chameleon_megatron.training.checkpoint import TRACKER_FILE
 from chameleon_megatron.training.engine_step import engine_step, step_record
 from chameleon_megatron.training.frames import clear_frames
+from chameleon_megatron.training.lm_end import EndOfJobDone
 from chameleon_megatron.training.lm_globals import (
-    reconfigure_microbatches,
     reset_rerun_state,
     reset_timers,
     set_megatron_args,
@@ -131,10 +129,8 @@ class LMLoop(LoopPosition):
         """The step at which Megatron-LM's ``train()`` last returned."""
         self._final_valid = 0
         """Consumed validation samples when the final evaluation started."""
-        self._done_at_end: list[str] = []
-        """End-of-job phases this loop ran that pretrain() has not called yet, in order."""
-        self._returned = False
-        """``train()`` returned to pretrain(): its later seam calls are its end-of-job work."""
+        self.end = EndOfJobDone()
+        """The end-of-job work this loop ran, which pretrain() then skips (``lm_hook``)."""
 
     # ----------------------------------------------------------------- what pretrain built
     def built(self, model: list[Any], optimizer: Any, scheduler: Any) -> None:
@@ -218,7 +214,7 @@ class LMLoop(LoopPosition):
                                           entry.non_loss_data_func, *rest, **named)
                     self._ended_at, start = self.iteration, END_OF_JOB[0]
                 self._end_of_job(entry, start)
-                self._returned = True
+                self.end.returned = True
                 return result if result is not None else (self.iteration, self._flops)
             except Reenter:
                 self._reentry()
@@ -417,7 +413,7 @@ class LMLoop(LoopPosition):
         """What Megatron-LM's ``pretrain()`` does after ``train()`` returns (its final
         checkpoint, its evaluations on the validation and test sets), from phase ``start``
         on, inside this loop's recovery; pretrain()'s own calls of them are then skipped
-        (``skips_end_of_job``)."""
+        (``end``)."""
         args, it = self._training.get_args(), self.iteration
         for phase in END_OF_JOB[END_OF_JOB.index(start):]:
             if not end_of_job_due(args, it, phase):
@@ -429,8 +425,7 @@ class LMLoop(LoopPosition):
             self.after_step = phase
             self._run_end_of_job(entry, phase)
             self.after_step = ""  # a failure leaves the phase set: the recovery agrees on it
-            if phase not in self._done_at_end:  # once, though redone after a recovery
-                self._done_at_end.append(phase)
+            self.end.ran(phase)
 
     def _run_end_of_job(self, entry: Entry, phase: str) -> None:
         """Megatron-LM's own call of ``phase``, with the objects trained now."""
@@ -441,20 +436,6 @@ class LMLoop(LoopPosition):
         else:
             lm_work.evaluate(self._training, entry, self._trained(),
                              "validation" if phase == "final-eval" else "test")
-
-    def skips_end_of_job(self, phase: str) -> bool:
-        """Whether pretrain()'s call of ``phase`` ("save" or "eval") after ``train()``
-        returned is end-of-job work this loop has already done. pretrain() makes those calls
-        in ``END_OF_JOB`` order under the same conditions; the iterators cannot tell its two
-        evaluations apart (None on every tensor-parallel rank but the first)."""
-        if not self._returned:
-            return False
-        wanted = ("final-save",) if phase == "save" else ("final-eval", "final-test")
-        done = next((p for p in self._done_at_end if p in wanted), None)
-        if done is None:
-            return False
-        self._done_at_end.remove(done)
-        return True
 
     # ----------------------------------------------------------------- TrainerHandle
     @property
@@ -520,15 +501,12 @@ class LMLoop(LoopPosition):
         """Model, optimizer and a fresh LR schedule through Megatron-LM's own
         ``setup_model_and_optimizer`` for the layout whose groups the caller built; state
         is the caller's to move in (nothing is loaded from ``--load``)."""
-        args = self._training.get_args()
-        if tp * pp < 1 or world_size % (tp * pp) or args.num_layers % pp:
-            raise ConfigError(f"layout tp={tp} x pp={pp} over {world_size} ranks does not fit "
-                              f"{args.num_layers} layers")
-        layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                  "transformer_pipeline_model_parallel_size": pp, "world_size": world_size,
-                  "rank": rank, "data_parallel_size": world_size // (tp * pp)}
-        with self._arguments_for(layout) as staged:
-            built = self._setup_without_load(staged)
+        standing = self._training.get_args()
+        layout = lm_layout.layout_arguments(standing, tp=tp, pp=pp, rank=rank,
+                                            world_size=world_size)
+        with lm_layout.arguments_for(standing, self._set_args, layout) as staged:
+            built = lm_layout.setup_without_load(self._setup, self.providers.model_provider,
+                                                 self.providers.model_type, staged)
         self.built(*built)
         self.engine, self._plan_data = None, None
         for cached in ("save_strategy", "load_strategy"):  # made for the old groups
@@ -537,39 +515,6 @@ class LMLoop(LoopPosition):
         self._new_world(rank)
         self._changes += 1
         self._announce(self.context())
-
-    @contextlib.contextmanager
-    def _arguments_for(self, layout: dict[str, int]) -> Iterator[Any]:
-        """Megatron-LM's global arguments, while the body builds, as a copy stating
-        ``layout`` (setup_model_and_optimizer reads them, and so does the microbatch
-        calculator). The standing arguments (pretrain() holds them) take the copy's values
-        only once the body succeeded; a failure (say, out of memory) leaves them untouched
-        and the microbatch calculator as they state it."""
-        standing = self._training.get_args()
-        staged = copy.copy(standing)
-        vars(staged).update(layout)
-        self._set_args(staged)
-        try:
-            reconfigure_microbatches(staged)
-            yield staged
-        except BaseException:
-            reconfigure_microbatches(standing)
-            raise
-        finally:
-            self._set_args(standing)
-        vars(standing).update(vars(staged))
-
-    def _setup_without_load(self, args: Any) -> tuple[Any, Any, Any]:
-        """Megatron-LM's ``setup_model_and_optimizer`` with nothing loaded from a checkpoint
-        (its iteration and FLOP counters kept: state is the caller's to move in)."""
-        kept = (args.iteration, args.num_floating_point_operations_so_far, args.load,
-                args.pretrained_checkpoint)
-        args.load = args.pretrained_checkpoint = None
-        try:
-            return self._setup(self.providers.model_provider, self.providers.model_type)
-        finally:
-            (args.iteration, args.num_floating_point_operations_so_far, args.load,
-             args.pretrained_checkpoint) = kept
 
     def load(self, path: str) -> bool:
         """Load the latest Megatron-LM checkpoint under ``path``; False when there is none."""

@@ -10,7 +10,7 @@ import argparse
 import logging
 from typing import Any
 
-from chameleon_megatron.training.plugin import StepAction, TrainerPlugin
+from chameleon_megatron.training.plugin import AFTER_STEP, StepAction, TrainerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,13 @@ def work_due(args: argparse.Namespace, iteration: int, phase: str, *, final_save
                     and getattr(args, "do_valid", True))
     return bool(args.save and ((final_save and iteration == args.train_iters)
                                or (args.save_interval and iteration % args.save_interval == 0)))
+
+
+def work_follows(args: argparse.Namespace, iteration: int) -> bool:
+    """Whether work after a step (or the end of the job) follows step ``iteration + 1``."""
+    step = iteration + 1
+    return step >= args.train_iters or any(
+        work_due(args, step, phase, final_save=False) for phase in AFTER_STEP)
 
 
 def end_of_job_due(args: argparse.Namespace, iteration: int, phase: str) -> bool:

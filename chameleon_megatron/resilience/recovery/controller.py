@@ -41,14 +41,12 @@ from chameleon_megatron.resilience.decision.center import RecoveryDecision, worl
 from chameleon_megatron.resilience.decision.feedback import Feedback
 from chameleon_megatron.resilience.decision.layout import Plan
 from chameleon_megatron.resilience.decision.reroute import ReroutePlan
-from chameleon_megatron.resilience.dist_opt import sink_view
 from chameleon_megatron.resilience.execution.grad_sync import reduction_device
 from chameleon_megatron.resilience.execution.runtime import PlanRuntime
 from chameleon_megatron.resilience.recovery import (
     memory_peak,
     overlap,
     run_state,
-    shard_assembly,
 )
 from chameleon_megatron.resilience.recovery.deciding import Decider, Standing
 from chameleon_megatron.resilience.recovery.declared import leave_declared_failed
@@ -62,18 +60,12 @@ from chameleon_megatron.resilience.recovery.detector import (
 )
 from chameleon_megatron.resilience.recovery.errors import RecoveryFailed
 from chameleon_megatron.resilience.recovery.faults import FaultInjector
-from chameleon_megatron.resilience.recovery.held import (
-    Held,
-    NoState,
-    Resumption,
-    exchange,
-    resume_at,
-)
-from chameleon_megatron.resilience.recovery.rebuild import load_checkpoint, rebuild
+from chameleon_megatron.resilience.recovery.held import Held, exchange
+from chameleon_megatron.resilience.recovery.move_state import move_state
+from chameleon_megatron.resilience.recovery.rebuild import rebuild
 from chameleon_megatron.resilience.recovery.record import (
     PhaseClock,
     gather_peaks,
-    group_sum,
     layout_after,
     recovery_record,
     summary,
@@ -91,7 +83,6 @@ from chameleon_megatron.resilience.recovery.regroup import (
 )
 from chameleon_megatron.resilience.recovery.shard_replica import ShardReplicas
 from chameleon_megatron.resilience.recovery.traffic_pulse import TrafficPulse
-from chameleon_megatron.resilience.recovery.transfer import migrate
 from chameleon_megatron.resilience.store.announce import (
     AbandonRecord,
     announce_abandon,
@@ -104,8 +95,8 @@ from chameleon_megatron.resilience.store.announce import (
 from chameleon_megatron.resilience.store.job_store import JobStore
 from chameleon_megatron.resilience.store.join_queue import JoinQueue
 from chameleon_megatron.resilience.store.waits import barrier
-from chameleon_megatron.training.loop_position import work_due
-from chameleon_megatron.training.plugin import AFTER_STEP, StepAction, TrainerHandle
+from chameleon_megatron.training.loop_position import work_follows
+from chameleon_megatron.training.plugin import StepAction, TrainerHandle
 from chameleon_megatron.training.rng import rng_state
 
 logger = logging.getLogger(__name__)
@@ -330,7 +321,7 @@ class RecoveryController:
             trainer.emit(record)
             if trainer.rank == 0:  # every rank has the same record
                 logger.info(record)
-        if self._left is not None and not _work_follows(trainer):
+        if self._left is not None and not work_follows(trainer.args, trainer.iteration):
             return self._transition(trainer, "back", ())  # every rank knows (``_finish``)
         # Rank 0 decides for the world: the queue changes while the ranks read it.
         lead = trainer.rank == 0
@@ -544,7 +535,9 @@ class RecoveryController:
             groups.destroy()
         clock.mark("regroup")
         self.injector.check(agreed.iteration + 1, "recovery")
-        moved = self._move_state(trainer, group, membership, held, res, decision, timeouts)
+        moved = move_state(trainer, group, membership, held, res, decision, me=self.me,
+                           job=self.job, shards=self.shards, timeout_s=timeouts.rendezvous_s,
+                           abandoned=self._abandoned)
         if active and self.shards is not None:  # copies of the new layout's shards
             self.refresh_shards(trainer, decision.active)
         clock.mark("migrate")
@@ -552,36 +545,6 @@ class RecoveryController:
                              memory_peak.take())
         self._finish(trainer, membership, decision, clock, moved, active, peaks)
         return active
-
-    def _move_state(self, trainer: TrainerHandle, group: Any, membership: Membership,
-                    held: Held, res: Resumption, decision: RecoveryDecision,
-                    timeouts: Timeouts) -> int:
-        """The new layout's state: from the surviving copies (the bytes moved, summed over
-        the group) or, as the fallback, from the checkpoint (0)."""
-        active = self.me in decision.active
-        if decision.fallback is not None:
-            if active:
-                load_checkpoint(trainer)
-            return 0
-        old = held.view
-        if self.shards is not None:
-            old = shard_assembly.assemble(group, membership.members, self.me, res.shards,
-                                          self.shards, res.agreed.iteration)
-        sink = sink_view(*trainer.model_and_optimizer()) if active else NoState()
-        if self.shards is None:  # (assembled units are built, and adopted, one at a time)
-            overlap.adopt_local(old, sink, decision.transfers, self.me)
-        report = migrate(group, membership.members, self.me, decision.transfers,
-                         old=old, new=sink, timeout_s=timeouts.rendezvous_s,
-                         store=self.job.scoped(f"gen/{membership.generation}/migrate"),
-                         abandoned=self._abandoned)
-        if active:
-            sink.commit()
-        old = sink = None  # the assembled units: freed before new shard copies are made
-        overlap.give_back()
-        moved = group_sum(group, report.sent_bytes)
-        if active:
-            resume_at(trainer, res.agreed, res.states, decision.rng_donor.get(self.me))
-        return moved
 
     def standing(self) -> Standing:
         """What the leader's decisions are computed from, of this controller's state."""
@@ -631,9 +594,3 @@ class RecoveryController:
         if trainer.rank == 0:
             logger.info(summary(record))
 
-
-def _work_follows(trainer: TrainerHandle) -> bool:
-    """Whether work after a step (or the end of the job) follows the next step."""
-    args, step = trainer.args, trainer.iteration + 1
-    return step >= args.train_iters or any(
-        work_due(args, step, phase, final_save=False) for phase in AFTER_STEP)
