@@ -151,6 +151,24 @@ def test_a_plans_stages_are_megatron_lms_model_and_the_scripts_forward_step(tmp_
                                                                 True, True]
 
 
+def test_swap_keeps_swapping_while_a_plan_runs(checkout, reference, tmp_path):
+    """The job swaps activations (``--chameleon-swap``); rank 1 dies in step 3 and the forced
+    heterogeneous re-plan runs (steps 3, 5 and 6; step 4 in a megatron layout for the
+    evaluation). The first step of each new layout profiles the operator sequence, nothing
+    swapped; the next step of the plan swaps on its stages (megatron's schedules over the
+    plan's groups, through the same seams). Every loss is the failure-free one."""
+    steps, done, _ = killed(checkout, reference, tmp_path, "--chameleon-ft-strategy", "replan",
+                            "--chameleon-swap", "--chameleon-swap-min-tensor-bytes", "1024")
+    plan = done["layout_after"]["plan"]
+    assert [r["layout"].get("plan") == plan for r in steps] == [False, False, True, False,
+                                                                True, True]
+    swapped = [r["swap"]["swapped_out_bytes"] > 0 for r in steps]
+    assert swapped == [False, True, False, False, False, True], swapped
+    stages = steps[-1]["swap"]["stages"]
+    assert [s["stage"] for s in stages] == [0, 1] and all(
+        s["swapped_out_bytes"] > 0 for s in stages), stages
+
+
 def test_eight_ranks_replan_onto_every_survivor(checkout, tmp_path):
     """PP2 x DP4 on 8 ranks, 8 microbatches of one sample per step; rank 5 dies in step 2.
     No megatron layout over 7 ranks divides this model and global batch; the re-plan runs
