@@ -8,8 +8,10 @@ config container) the GPT builder of the container ``pretrain()`` would make; th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -37,7 +39,28 @@ def megatron_lm_stages(get_args: Callable[[], Any], model_provider: Callable[...
         return gpt.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
     refusal = None if model_provider is None else provider_refusal(model_provider)
-    return StageBuilder(config, model, forward_step_func, refusal)
+    return StageBuilder(config, model, forward_step_func, partial(stage_arguments, get_args),
+                        refusal)
+
+
+@contextlib.contextmanager
+def stage_arguments(get_args: Callable[[], Any], depth: int) -> Iterator[None]:
+    """Megatron-LM's arguments for a stage of a pipeline of ``depth``: the forward step
+    chooses the fields of a batch a stage loads by ``args.pipeline_model_parallel_size``
+    (not parallel state), and 0.19 gives a first stage of a pipeline no labels; a stage
+    that is its pipeline's only one therefore sees a job without pipeline parallelism.
+    (Deeper pipelines keep the job's value: a first or last stage is told by parallel
+    state, and a middle one loads nothing; the value must split the layers evenly, as the
+    forward step builds a TransformerConfig from the arguments.)"""
+    args = get_args()
+    if depth > 1:
+        yield
+        return
+    kept, args.pipeline_model_parallel_size = args.pipeline_model_parallel_size, 1
+    try:
+        yield
+    finally:
+        args.pipeline_model_parallel_size = kept
 
 
 def provider_refusal(provider: Callable[..., Any]) -> str | None:

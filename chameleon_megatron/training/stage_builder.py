@@ -11,8 +11,9 @@ plan's stages.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -41,6 +42,9 @@ class StageBuilder:
     forward_step: ForwardStep
     """The job's forward step and loss; the plan runs them in its stage's view of megatron's
     parallel state."""
+    arguments: Callable[[int], ContextManager[None]] = lambda depth: contextlib.nullcontext()
+    """The job's arguments as a stage of a pipeline of this depth must see them while the
+    job's code runs on it (restored afterwards)."""
     refusal: str | None = None
     """Why the job's model cannot be a plan's stage (the decision center then proposes no
     plan), or None."""

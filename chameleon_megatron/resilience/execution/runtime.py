@@ -16,6 +16,7 @@ rerouting (``rerouted``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
@@ -57,10 +58,20 @@ def microbatch_source(dataset: Any, consumed: int, micro: int, device: torch.dev
     return batch
 
 
+@contextlib.contextmanager
+def _in_stage(builder: StageBuilder, *, stage: int, depth: int,
+              groups: PlanGroups) -> Iterator[None]:
+    """Megatron's parallel state and the job's arguments as stage ``stage`` of a pipeline
+    of ``depth`` sees them."""
+    with plan_seams.stage_view(stage=stage, depth=depth, tp=groups.tp, cp=groups.solo), \
+            builder.arguments(depth):
+        yield
+
+
 def stage_forward_step(forward_step: ForwardStep,
                        view: Callable[[], ContextManager[None]]) -> ForwardStep:
     """The job's ``forward_step`` and the loss function it returns, each run in ``view``
-    (the stage's view of megatron's parallel state, ``plan_seams.stage_view``)."""
+    (the stage's view of megatron's parallel state and of the job's arguments)."""
     def step(data_iterator: Iterator[dict], model: torch.nn.Module):
         with view():
             output, loss = forward_step(data_iterator, model)
@@ -154,8 +165,7 @@ def build_runtime(args: argparse.Namespace, plan: Plan, me: int, *,
     depth = plan.pipelines[groups.slot.pipeline].depth
     p2p = (plan_seams.p2p_communicator(groups.pipeline, model.config)
            if reroute is None and depth > 1 else None)
-    view = partial(plan_seams.stage_view, stage=groups.slot.stage, depth=depth, tp=groups.tp,
-                   cp=groups.solo)
+    view = partial(_in_stage, builder, stage=groups.slot.stage, depth=depth, groups=groups)
     return PlanRuntime(args=args, plan=plan, me=me, reroute=reroute, model=model, parts=parts,
                        optimizer=optimizer, sync=sync, groups=groups, p2p=p2p,
                        forward_step=stage_forward_step(builder.forward_step, view))

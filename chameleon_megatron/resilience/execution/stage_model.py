@@ -104,7 +104,7 @@ def build_stage_model(args: argparse.Namespace, plan: Plan, groups: PlanGroups,
     position = plan_seams.PipelinePosition(slot.stage, pipe.depth)
     plan_seams.ensure_memory_buffer()
     with plan_seams.stage_view(stage=slot.stage, depth=pipe.depth, tp=groups.tp,
-                               cp=groups.solo):
+                               cp=groups.solo), builder.arguments(pipe.depth):
         gpt = builder.model(config, pre_process=slot.stage == 0,
                             post_process=slot.stage == pipe.depth - 1,
                             layers=counts[slot.stage],
