@@ -4,7 +4,7 @@ builder and its forward step (with its loss).
 
 Each loop gives its own (``TrainerHandle.stage_builder``): chameleon's trainer builds from
 its arguments (``trainer_stages``); Megatron-LM's pretrain_gpt.py through Megatron-LM's
-config and builder (``megatron.lm_stage``), so that every model flag of the job reaches a
+config and builder (``training.lm_stage``), so that every model flag of the job reaches a
 plan's stages.
 """
 
@@ -39,6 +39,7 @@ class StageBuilder:
     config: Callable[[], TransformerConfig]
     """The job's TransformerConfig, as its own model is built from it."""
     model: BuildStage
+    """The job's model builder, for one stage (``BuildStage``)."""
     forward_step: ForwardStep
     """The job's forward step and loss; the plan runs them in its stage's view of megatron's
     parallel state."""
