@@ -4,6 +4,8 @@ Two processes on one gloo group (loopback TCP, this machine). For each size S:
 
 - **limit**: the same S bytes sent from rank 0 to rank 1 as contiguous messages of 4 MiB,
   then of 64 MiB (all posted at once), the faster of the two: what the transport does;
+- **per tensor**: the state's own tensors sent one message each, all posted at once: what
+  the transport does with messages of the state's sizes, with no packing;
 - **migrate**: ``recovery.transfer.migrate`` moving a state of S bytes from rank 0 to
   rank 1, made like a transformer's: units of a few layers' weights and Adam moments
   (tensors of 4H x H, 3H x H, H x H and H, fp32; H = 128 by default: 2.25 MiB a
@@ -90,6 +92,18 @@ def limit_s(rank: int, nbytes: int) -> float:
     return best
 
 
+def per_tensor_s(rank: int, units: int, hidden: int) -> float:
+    """The state's tensors (rank 1: a second state) sent one message each, all at once."""
+    bufs = [t for d in Units(units, float(rank == 0), hidden).state.values() for t in d.values()]
+    dist.barrier()
+    start = time.perf_counter()
+    works = [dist.isend(b, 1) if rank == 0 else dist.irecv(b, 0) for b in bufs]
+    for w in works:
+        w.wait()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def migrate_s(rank: int, units: int, hidden: int, store: dist.Store,
               trial: int, built: bool) -> tuple[float, bool]:
     old = (BuiltOnRead if built else Units)(units, 1.0 if rank == 0 else 0.0, hidden)
@@ -116,15 +130,16 @@ def worker(rank: int, port: int, sizes: list[int], repeat: int, hidden: int, bui
     for size in sizes:
         units = max(1, size * MIB // unit_bytes(hidden))
         nbytes = units * unit_bytes(hidden)
-        lim, mig = [], []
+        lim, per, mig = [], [], []
         for _ in range(repeat):
             lim.append(limit_s(rank, nbytes))
+            per.append(per_tensor_s(rank, units, hidden))
             took, ok = migrate_s(rank, units, hidden, store, trial, built)
             trial += 1
             assert ok, "migrated state differs"
             mig.append(took)
         if rank == 1:
-            out.put((nbytes, statistics.median(lim), statistics.median(mig)))
+            out.put((nbytes, *(statistics.median(x) for x in (lim, per, mig))))
     dist.destroy_process_group()
 
 
@@ -142,12 +157,14 @@ def main() -> None:
     port = 29000 + os.getpid() % 1000
     mp.start_processes(worker, args=(port, args.sizes_mib, args.repeat, args.hidden,
                                      args.built_on_read, out), nprocs=2, start_method="spawn")
-    print("| state | limit: contiguous send | migrate | migrate / limit |")
-    print("|---|---|---|---|")
+    print("| state | limit: contiguous send | per tensor | migrate | migrate / limit | "
+          "migrate / per tensor |")
+    print("|---|---|---|---|---|---|")
     while not out.empty():
-        nbytes, lim, mig = out.get()
-        print(f"| {nbytes / MIB:.0f} MiB | {nbytes / lim / 1e6:.0f} MB/s | "
-              f"{nbytes / mig / 1e6:.0f} MB/s | {lim / mig:.2f} |")
+        nbytes, lim, per, mig = out.get()
+        rate = [f"{nbytes / s / 1e6:.0f} MB/s" for s in (lim, per, mig)]
+        print(f"| {nbytes / MIB:.0f} MiB | {' | '.join(rate)} | {lim / mig:.2f} | "
+              f"{per / mig:.2f} |")
 
 
 if __name__ == "__main__":

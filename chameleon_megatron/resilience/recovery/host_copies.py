@@ -11,7 +11,8 @@ Shard copies and a recovery's transfers move optimizer state and weights to host
   stream goes on. ``HostCopy.wait`` synchronises before the host copy is read;
   ``HostCopy.fence`` makes the training stream wait before it overwrites the sources.
 * 0-dim tensors (step counts) are read as scalars: metadata (value and dtype), not data.
-* ``HostMover.to_host`` / ``to_device``: a transfer's tensors, synchronously.
+* ``HostMover.to_host`` / ``to_device``: a transfer's tensors, synchronously; ``pack``:
+  several end to end in one host buffer (one message).
 """
 
 from __future__ import annotations
@@ -200,6 +201,24 @@ class HostMover:
         copied = self.copy_out(list(moving.items())).wait()
         return [copied.tensor(str(k)) if str(k) in moving else t.detach()
                 for k, t in enumerate(tensors)]
+
+    @torch.no_grad()
+    def pack(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+        """``tensors`` (``flat``'s dtype) end to end in host memory ``flat``, complete on
+        return: one message of them (on a GPU: copied on the side stream, one wait)."""
+        device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        stream = self._stream(device) if device is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            at = 0
+            for t in tensors:
+                flat[at:at + t.numel()].view(t.shape).copy_(t.detach(),
+                                                            non_blocking=stream is not None)
+                at += t.numel()
+        if stream is not None:
+            stream.synchronize()
+        return flat
 
     def staging(self, like: torch.Tensor) -> torch.Tensor:
         """Host memory to receive a tensor like ``like`` into (``like`` itself when it is a

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind, Transfer
 from chameleon_megatron.resilience.recovery.host_copies import HostMover, dtype_of
+from chameleon_megatron.resilience.recovery.packing import Bundle, Item, Pool, bundles
 from chameleon_megatron.resilience.store.waits import wait_keys
 
 logger = logging.getLogger(__name__)
@@ -105,29 +106,56 @@ def waves(wants: Sequence[list], budget: int) -> list[range]:
 
 
 class _Exchange:
-    """This rank's posted sends and receives of one migration."""
+    """This rank's sends and receives of one migration: listed as a wave's units are read,
+    posted (``packing.bundles``) when the wave is ``take``n."""
 
     def __init__(self, group: dist.ProcessGroup, me: int, members: Sequence[int]) -> None:
         self.group = group
         self.me = me
         self.rank_of = {m: i for i, m in enumerate(members)}
+        self.sending: list[Item] = []
+        self.receiving: list[Item] = []
         self.works: list = []
         self.unstage: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sent = self.received = self.copied = 0
         self.mover = HostMover()
+        self.pool = Pool(pinned=self.mover.pinned)
+        self.pooled: list[torch.Tensor] = []
 
     def send(self, tensors: list[torch.Tensor], dst: int, base_tag: int) -> None:
-        for j, buf in enumerate(self.mover.to_host(tensors)):  # gloo moves host memory
-            self.works.append(self.group.send([buf], self.rank_of[dst], base_tag + j))
-            self.sent += buf.numel() * buf.element_size()
+        self.sending += [Item(dst, base_tag + j, t) for j, t in enumerate(tensors)]
 
     def recv(self, tensors: list[torch.Tensor], src: int, base_tag: int) -> None:
-        for j, t in enumerate(tensors):
-            buf = self.mover.staging(t)
-            if buf is not t:
-                self.unstage.append((buf, t))
-            self.works.append(self.group.recv([buf], self.rank_of[src], base_tag + j))
-            self.received += buf.numel() * buf.element_size()
+        self.receiving += [Item(src, base_tag + j, t) for j, t in enumerate(tensors)]
+
+    def _post_sends(self) -> None:
+        out = bundles(self.sending)
+        lone = iter(self.mover.to_host([b.tensors[0] for b in out if not b.packed]))
+        for b in out:  # gloo moves host memory
+            buf = self._pack(b) if b.packed else next(lone)
+            self.works.append(self.group.send([buf], self.rank_of[b.peer], b.tag))
+            self.sent += b.nbytes
+        self.sending = []
+
+    def _post_recvs(self) -> None:
+        for b in bundles(self.receiving):
+            if b.packed:
+                buf = self._pack(b, fill=False)
+                self.unstage += _unpacked(buf, b.tensors)
+            else:
+                buf = self.mover.staging(b.tensors[0])
+                if buf is not b.tensors[0]:
+                    self.unstage.append((buf, b.tensors[0]))
+            self.works.append(self.group.recv([buf], self.rank_of[b.peer], b.tag))
+            self.received += b.nbytes
+        self.receiving = []
+
+    def _pack(self, b: Bundle, *, fill: bool = True) -> torch.Tensor:
+        """A pooled host buffer for ``b``'s message (holding its tensors where ``fill``),
+        back in the pool once its wave has landed."""
+        buf = self.pool.take(b.tensors[0].dtype, sum(t.numel() for t in b.tensors))
+        self.pooled.append(buf)
+        return self.mover.pack(b.tensors, buf) if fill else buf
 
     def copy(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
         for s, d in zip(src, dst):
@@ -136,25 +164,41 @@ class _Exchange:
             self.copied += d.numel() * d.element_size()
 
     def take(self) -> _Posted:
-        """The operations posted since the last ``take``, to wait for later."""
-        posted = _Posted(self.works, self.unstage, self.mover)
-        self.works, self.unstage = [], []
+        """Post what was listed since the last ``take``; its operations, to wait for later."""
+        self._post_sends()
+        self._post_recvs()
+        posted = _Posted(self.works, self.unstage, self.mover, self.pool, self.pooled)
+        self.works, self.unstage, self.pooled = [], [], []
         return posted
 
 
 @dataclass(frozen=True)
 class _Posted:
-    """Operations of one wave: its sends and receives, and its staged receive buffers."""
+    """Operations of one wave: its sends and receives, its staged receive buffers and the
+    pooled buffers its messages use."""
 
     works: list
     unstage: list[tuple[torch.Tensor, torch.Tensor]]
     mover: HostMover
+    pool: Pool
+    pooled: list[torch.Tensor]
 
     def wait(self) -> None:
         """Every operation completed, received tensors in place (what they held goes)."""
         for work in self.works:
             work.wait()
         self.mover.to_device(self.unstage)
+        self.pool.give(self.pooled)
+
+
+def _unpacked(flat: torch.Tensor, tensors: Sequence[torch.Tensor]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(view of ``flat``, tensor) for each of ``tensors`` packed end to end in it."""
+    out, at = [], 0
+    for t in tensors:
+        out.append((flat[at:at + t.numel()].view(t.shape), t))
+        at += t.numel()
+    return out
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -188,10 +232,8 @@ def migrate(group: dist.ProcessGroup, members: Sequence[int], me: int,
     wants: list[list] = []
     error: Exception | None = None
     try:
-        for idx, t in enumerate(transfers):
-            if t.dst == me:
-                _publish_want(store, idx, t, new)
-        wants = _read_wants(store, len(transfers), timeout_s, abandoned)
+        _publish_wants(store, me, transfers, new)
+        wants = _read_wants(store, transfers, timeout_s, abandoned)
         for idx, t in enumerate(transfers):
             if t.src == me:
                 _check(_specs(old, t.layer, t.kind), wants[idx], _where(idx, t))
@@ -254,23 +296,33 @@ def _where(idx: int, t: Transfer) -> str:
     return f"transfer {idx} ({t.kind} of {t.layer!r}, {t.src}->{t.dst})"
 
 
-def _publish_want(store: dist.Store, idx: int, t: Transfer, new: StateView) -> None:
-    wanted = _specs(new, t.layer, t.kind)
-    if len(wanted) > MAX_TENSORS_PER_TRANSFER:
-        raise MigrationError(f"unit {t.layer!r}: {len(wanted)} tensors, more than "
-                             f"{MAX_TENSORS_PER_TRANSFER}")
-    store.set(f"want/{idx}", json.dumps([[n, shape, dtype]
-                                         for n, (shape, dtype) in sorted(wanted.items())]))
+def _publish_wants(store: dist.Store, me: int, transfers: Sequence[Transfer],
+                   new: StateView) -> None:
+    """What this rank receives, every transfer's tensors by name, in one key."""
+    wanted: dict[int, list] = {}
+    for idx, t in enumerate(transfers):
+        if t.dst != me:
+            continue
+        spec = _specs(new, t.layer, t.kind)
+        if len(spec) > MAX_TENSORS_PER_TRANSFER:
+            raise MigrationError(f"unit {t.layer!r}: {len(spec)} tensors, more than "
+                                 f"{MAX_TENSORS_PER_TRANSFER}")
+        wanted[idx] = [[n, shape, dtype] for n, (shape, dtype) in sorted(spec.items())]
+    if wanted:
+        store.set(f"want/{me}", json.dumps(wanted))
 
 
-def _read_wants(store: dist.Store, count: int, timeout_s: float,
+def _read_wants(store: dist.Store, transfers: Sequence[Transfer], timeout_s: float,
                 abandoned: Callable[[], bool]) -> list[list]:
     """What the receiver of every transfer wants, in its order (every member splits the
     waves from these)."""
-    keys = [f"want/{idx}" for idx in range(count)]
+    keys = [f"want/{r}" for r in sorted({t.dst for t in transfers})]
     if keys:
         wait_keys(store, keys, timeout_s=timeout_s, abandoned=abandoned)
-    return [json.loads(store.get(k)) for k in keys]
+    wants: dict[int, list] = {}
+    for key in keys:
+        wants.update((int(idx), want) for idx, want in json.loads(store.get(key)).items())
+    return [wants[idx] for idx in range(len(transfers))]
 
 
 def _confirm(group: dist.ProcessGroup, error: Exception | None, stage: str) -> None:

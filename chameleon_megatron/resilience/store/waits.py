@@ -24,15 +24,18 @@ def wait_keys(store: dist.Store, keys: Sequence[str], *, timeout_s: float,
               abandoned: Callable[[], bool], on_wait: Callable[[], None] = lambda: None,
               poll_s: float = 0.05) -> None:
     """Return once every key of ``keys`` is set; Abandoned when ``abandoned()`` says so
-    first, TimeoutError after ``timeout_s``."""
+    first, TimeoutError after ``timeout_s``. The polls start 1 ms apart and slow down to
+    ``poll_s``: most waits of a recovery end within milliseconds."""
     deadline = time.monotonic() + timeout_s
+    pause = min(0.001, poll_s)
     while not store.check(list(keys)):
         if abandoned():
             raise Abandoned(f"left the wait for {list(keys)[:3]}: the attempt was abandoned")
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:.1f} s for {list(keys)[:3]} in the job store")
         on_wait()
-        time.sleep(poll_s)
+        time.sleep(pause)
+        pause = min(2 * pause, poll_s)
 
 
 def barrier(store: dist.Store, name: str, me: int, members: Sequence[int], *,

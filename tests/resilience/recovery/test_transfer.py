@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from chameleon_megatron.megatron.groups import unregistered_gloo_group
 from chameleon_megatron.resilience.decision.restorer import Transfer
+from chameleon_megatron.resilience.recovery.packing import PACK_BELOW
 from chameleon_megatron.resilience.recovery.transfer import MigrationError, migrate, waves
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
@@ -91,6 +92,36 @@ def test_transfers_and_local_copies_land_in_the_new_state() -> None:
     assert reports[2].received_bytes == 2 * bytes_l0 + 12 * 4
 
 
+def mixed_unit(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors that travel packed (small fp32, small bf16) and alone (large, 0-dim)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(3, generator=g), "b": torch.randn(64, 64, generator=g),
+            "c": torch.randn(10, generator=g).bfloat16(), "d": torch.tensor(7.0 + seed),
+            "e": torch.randn(PACK_BELOW // 4 + 1, generator=g),
+            "f": torch.randn(5, generator=g).bfloat16(), "g": torch.randn(2, 3, generator=g)}
+
+
+@pytest.mark.parametrize("wave_bytes", [1, 2**30])
+def test_packed_and_lone_tensors_land_bitwise(wave_bytes: int) -> None:
+    """Three units from rank 0 to rank 1, one wave each or all in one: small tensors of one
+    dtype go as one message (unpacked at the receiver in name order), large and 0-dim ones
+    alone; every tensor lands exactly."""
+    src = {i: {"params": mixed_unit(i)} for i in range(3)}
+    new = DictView({i: {"params": {n: torch.zeros_like(t) for n, t in mixed_unit(i).items()}}
+                    for i in range(3)})
+    views = [(DictView(src), DictView({})), (DictView({}), new)]
+    plan = [Transfer(0, 1, i, "params", 1.0) for i in range(3)]
+    reports = run_members(2, lambda r, g, s: migrate(g, (0, 1), r, plan, old=views[r][0],
+                                                     new=views[r][1], store=s, timeout_s=5,
+                                                     wave_bytes=wave_bytes))
+    assert not any(isinstance(r, Exception) for r in reports), reports
+    for i in range(3):
+        for name, t in src[i]["params"].items():
+            assert torch.equal(new.data[i]["params"][name], t), (i, name)
+    assert reports[1].received_bytes == reports[0].sent_bytes == sum(
+        t.numel() * t.element_size() for u in src.values() for t in u["params"].values())
+
+
 def test_a_shape_mismatch_fails_every_member_and_leaves_state_alone() -> None:
     old = [DictView({0: {"params": {"w": torch.ones(4, 3)}}}), DictView({})]
     target = torch.zeros(3, 4)
@@ -138,7 +169,7 @@ def test_a_sender_waiting_for_a_receiver_leaves_when_the_attempt_is_abandoned() 
     store, start = dist.HashStore(), time.monotonic()
     threading.Timer(0.2, lambda: store.set("retry", "1")).start()
     with pytest.raises(Abandoned):
-        _read_wants(store, 1, timeout_s=60, abandoned=lambda: store.check(["retry"]))
+        _read_wants(store, [Transfer(0, 1, 0, "params", 1.0)], timeout_s=60, abandoned=lambda: store.check(["retry"]))
     assert time.monotonic() - start < 5
 
 

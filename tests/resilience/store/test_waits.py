@@ -19,6 +19,21 @@ def test_a_wait_returns_once_the_keys_are_set_and_beats_meanwhile() -> None:
     assert store.check(["k"]) and beats
 
 
+def test_the_polls_start_a_millisecond_apart_and_slow_down_to_the_poll_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recovery's waits mostly end within milliseconds: a fixed 50 ms poll added 50 ms to
+    each (the migration's exchange of wants among them)."""
+    store, pauses = dist.HashStore(), []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 9:
+            store.set("k", "1")
+    monkeypatch.setattr(time, "sleep", sleep)
+    wait_keys(store, ["k"], timeout_s=5, abandoned=lambda: False, poll_s=0.05)
+    assert pauses == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
+
+
 def test_an_abandoned_attempt_leaves_the_wait_at_once() -> None:
     store = dist.HashStore()
     threading.Timer(0.2, lambda: store.set("retry", "3")).start()

@@ -1,0 +1,95 @@
+"""Which tensors of a migration's wave travel as one message.
+
+A message per tensor costs gloo a round of bookkeeping and the kernel a short write each: a
+transformer layer's state is a dozen tensors of 1-256 KiB at small hidden sizes, and one
+message per tensor ran at a third of what the same bytes do as a few large messages
+(``docs/benchmarks.md``, *Migration against the transport*). So within a wave the tensors
+going to (or coming from) one peer with one dtype, each under ``PACK_BELOW``, travel packed
+into one contiguous message; larger tensors and 0-dim ones go alone, as they are.
+
+``bundles`` is the only rule: both ends of a pair of ranks list the same tensors (the
+receiver's wants, which the sender checked) in the same order, so they pack them the same
+way and name each message by the tag of its first tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+PACK_BELOW = 64 * 2**10
+"""Tensors of fewer bytes travel packed with their wave's others of the same peer and dtype;
+from 4 MiB a message runs at the transport's pace on its own."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One tensor of a wave: the peer it goes to or comes from, and its own tag."""
+
+    peer: int
+    tag: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One message: a lone tensor, or several packed end to end (same peer, same dtype)."""
+
+    peer: int
+    tag: int
+    tensors: tuple[torch.Tensor, ...]
+    packed: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def packs(t: torch.Tensor) -> bool:
+    return t.dim() > 0 and t.numel() * t.element_size() < PACK_BELOW
+
+
+def bundles(items: Sequence[Item]) -> list[Bundle]:
+    """The messages of ``items`` (in their order): the packable ones grouped by peer and
+    dtype, each group one message tagged with its first item's tag; the rest alone."""
+    out: list[Bundle] = []
+    groups: dict[tuple[int, torch.dtype], list[Item]] = {}
+    for item in items:
+        if packs(item.tensor):
+            groups.setdefault((item.peer, item.tensor.dtype), []).append(item)
+        else:
+            out.append(Bundle(item.peer, item.tag, (item.tensor,), packed=False))
+    for (peer, _), group in groups.items():
+        out.append(Bundle(peer, group[0].tag, tuple(i.tensor for i in group),
+                          packed=len(group) > 1))
+    return out
+
+
+class Pool:
+    """Host memory for one migration's packed messages, each buffer reused once its wave
+    has landed: packing into fresh memory costs a page fault per page, which made the pack
+    as slow as the transport. Holds about what two waves in flight pack."""
+
+    def __init__(self, *, pinned: bool) -> None:
+        self.pinned = pinned
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``numel`` elements of ``dtype``: the front of a free buffer where one fits, else
+        a new one (a free one of the dtype too small for it is dropped)."""
+        fits = [b for b in self._free if b.dtype == dtype and b.numel() >= numel]
+        if fits:
+            buf = min(fits, key=torch.Tensor.numel)
+            self._free = [b for b in self._free if b is not buf]
+        else:
+            self._free = [b for b in self._free if b.dtype != dtype]
+            buf = torch.empty(numel + numel // 8, dtype=dtype, pin_memory=self.pinned)
+        self._lent[buf.data_ptr()] = buf
+        return buf[:numel]
+
+    def give(self, views: Sequence[torch.Tensor]) -> None:
+        """What ``take`` returned is free again."""
+        self._free += [self._lent.pop(v.data_ptr()) for v in views]
