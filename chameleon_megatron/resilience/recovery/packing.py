@@ -1,11 +1,12 @@
 """Which tensors of a migration's wave travel as one message.
 
-A message per tensor costs gloo a round of bookkeeping and the kernel a short write each: a
-transformer layer's state is a dozen tensors of 1-256 KiB at small hidden sizes, and one
-message per tensor ran at a third of what the same bytes do as a few large messages
-(``docs/benchmarks.md``, *Migration against the transport*). So within a wave the tensors
-going to (or coming from) one peer with one dtype, each under ``PACK_BELOW``, travel packed
-into one contiguous message; larger tensors and 0-dim ones go alone, as they are.
+A message costs gloo about 20 us whatever its size, so a layer's norms and biases (a few KiB
+each) cost more as messages than as copies. Within a wave the tensors going to (or coming
+from) one peer with one dtype, each under ``PACK_BELOW``, travel packed into one contiguous
+message; larger tensors and 0-dim ones go alone, as they are: packing them too trades a
+message for two copies (pack and unpack), which cost as much on a host whose transport is
+itself a copy (loopback TCP on two cores: ``docs/benchmarks.md``, *Migration against the
+transport*).
 
 ``bundles`` is the only rule: both ends of a pair of ranks list the same tensors (the
 receiver's wants, which the sender checked) in the same order, so they pack them the same
@@ -20,8 +21,7 @@ from typing import Sequence
 import torch
 
 PACK_BELOW = 64 * 2**10
-"""Tensors of fewer bytes travel packed with their wave's others of the same peer and dtype;
-from 4 MiB a message runs at the transport's pace on its own."""
+"""Tensors of fewer bytes travel packed with their wave's others of the same peer and dtype."""
 
 
 @dataclass(frozen=True)
