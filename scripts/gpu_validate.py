@@ -57,6 +57,8 @@ def _resilience(name: str, timeout_s: float) -> Check:
                  breakable=True)
 
 
+GPU_TEST_FILES = ["tests/swap/test_gpu.py", "tests/test_presets_gpu.py",
+                  "tests/resilience/recovery/test_host_copies.py"]
 PRESET_RUN = [PY, "-m", "chameleon_megatron.pretrain_gpt", "--mock-data", "--train-iters",
               "4", "--lr-warmup-iters", "1", "--num-layers", "2",
               "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -76,10 +78,8 @@ CHECKS = [
     Check("oom", _checks_py("oom"), [*_checks_py("oom"), "--dry-run"], 60),
     Check("oom_expandable_segments", _checks_py("oom"), None, 60,
           env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
-    Check("gpu_tests", [PY, "-m", "pytest", "-q", "-m", "gpu", "tests/swap/test_gpu.py",
-                        "tests/test_presets_gpu.py"],
-          [PY, "-m", "pytest", "-q", "-m", "gpu", "--collect-only", "tests/swap/test_gpu.py",
-           "tests/test_presets_gpu.py"], 120),
+    Check("gpu_tests", [PY, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES],
+          [PY, "-m", "pytest", "-q", "-m", "gpu", "--collect-only", *GPU_TEST_FILES], 120),
     Check("bf16_preset_1.3b", [*PRESET_RUN, "--chameleon-config", "configs/gpt-1.3b-8xh100.yaml"],
           [*PRESET_RUN, "--chameleon-config", "configs/tiny-cpu.yaml", "--bf16"], 120),
     Check("bf16_preset_7b_swap", [*PRESET_RUN, "--chameleon-config", "configs/gpt-7b-8xh100.yaml",

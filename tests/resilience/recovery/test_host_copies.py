@@ -95,6 +95,7 @@ def test_a_bad_dtype_name_is_one_clear_error() -> None:
         HostBuffers((("x", (2,), "torch.float99"),))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_device_copy_runs_on_a_side_stream_into_pinned_memory() -> None:
     mover = HostMover()
@@ -109,3 +110,17 @@ def test_a_device_copy_runs_on_a_side_stream_into_pinned_memory() -> None:
         if t.dim():
             assert torch.equal(bits(copy.views[name]), bits(t.cpu())), name
     assert copy.scalars()["0/step"] == (7.0, "torch.float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_tensors_pack_into_pinned_host_memory_and_unpack_back() -> None:
+    """A migration's packed message from device tensors (side stream, one wait) and its
+    views copied back into device targets."""
+    mover = HostMover()
+    sources = [torch.randn(3, 5, device="cuda"), torch.randn(7, device="cuda").t()]
+    flat = mover.pack(sources, torch.empty(22, pin_memory=True))
+    assert torch.equal(flat, torch.cat([t.reshape(-1).cpu() for t in sources]))
+    targets = [torch.zeros_like(t) for t in sources]
+    mover.to_device([(flat[:15].view(3, 5), targets[0]), (flat[15:], targets[1])])
+    assert all(torch.equal(a, b) for a, b in zip(targets, sources))
