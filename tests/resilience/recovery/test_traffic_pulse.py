@@ -63,7 +63,10 @@ def test_advanced_counts_a_grown_or_new_connection_not_a_closed_one() -> None:
     assert not advanced({}, {3: 0})
 
 
-def _pulses_while(pump: threading.Event, sock_pair, keep: int | None, seconds: float) -> int:
+def _pulses_while(pump: threading.Event, sock_pair, keep: int | None, seconds: float,
+                  enough: int | None = None) -> int:
+    """Pulses counted while ``sock_pair`` carries data for ``seconds`` (or until ``enough``
+    came: a loaded host runs the pulse thread late, not never)."""
     count = [0]
     a, b = sock_pair
 
@@ -74,7 +77,9 @@ def _pulses_while(pump: threading.Event, sock_pair, keep: int | None, seconds: f
     feeder = threading.Thread(target=feed, daemon=True)
     pulse = TrafficPulse(lambda: count.__setitem__(0, count[0] + 1), keep, period_s=0.1).start()
     feeder.start()
-    time.sleep(seconds)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (enough is None or count[0] < enough):
+        time.sleep(0.05)
     pump.clear()
     feeder.join()
     pulse.stop()
@@ -85,7 +90,7 @@ def test_it_pulses_while_a_peer_connection_carries_data_and_not_for_the_stores()
     with connection() as (client, server, port), connection() as (store_c, store_s, store_port):
         flowing = threading.Event()
         flowing.set()
-        assert _pulses_while(flowing, (client, server), store_port, 1.0) >= 5
+        assert _pulses_while(flowing, (client, server), store_port, 30.0, enough=5) >= 5
         flowing.set()
         # Only the job store's connection busy (the beats themselves go there): no pulse.
         assert _pulses_while(flowing, (store_c, store_s), store_port, 1.0) == 0
