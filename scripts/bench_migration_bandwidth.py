@@ -77,24 +77,8 @@ def unit_bytes(hidden: int) -> int:
     return Units(1, 0.0, hidden).nbytes
 
 
-def limit_s(rank: int, nbytes: int) -> float:
-    """The fastest of sending ``nbytes`` as messages of each size in ``CHUNKS``."""
-    best = float("inf")
-    for chunk in CHUNKS:
-        bufs = [torch.empty(min(chunk, nbytes - at) // 4) for at in range(0, nbytes, chunk)]
-        dist.barrier()
-        start = time.perf_counter()
-        works = [dist.isend(b, 1) if rank == 0 else dist.irecv(b, 0) for b in bufs]
-        for w in works:
-            w.wait()
-        dist.barrier()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def per_tensor_s(rank: int, units: int, hidden: int) -> float:
-    """The state's tensors (rank 1: a second state) sent one message each, all at once."""
-    bufs = [t for d in Units(units, float(rank == 0), hidden).state.values() for t in d.values()]
+def send_all_s(rank: int, bufs: list[torch.Tensor]) -> float:
+    """Rank 0 sends ``bufs`` to rank 1, one message each, all posted at once."""
     dist.barrier()
     start = time.perf_counter()
     works = [dist.isend(b, 1) if rank == 0 else dist.irecv(b, 0) for b in bufs]
@@ -102,6 +86,18 @@ def per_tensor_s(rank: int, units: int, hidden: int) -> float:
         w.wait()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def limit_s(rank: int, nbytes: int) -> float:
+    """The fastest of sending ``nbytes`` as messages of each size in ``CHUNKS``."""
+    return min(send_all_s(rank, [torch.empty(min(chunk, nbytes - at) // 4)
+                                 for at in range(0, nbytes, chunk)]) for chunk in CHUNKS)
+
+
+def per_tensor_s(rank: int, units: int, hidden: int) -> float:
+    """The state's tensors (rank 1: a second state) sent one message each, all at once."""
+    return send_all_s(rank, [t for d in Units(units, float(rank == 0), hidden).state.values()
+                             for t in d.values()])
 
 
 def migrate_s(rank: int, units: int, hidden: int, store: dist.Store,
