@@ -23,6 +23,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from chameleon_megatron.resilience.recovery.packing import laid_out
+
 Spec = tuple[tuple[str, tuple[int, ...], str], ...]
 """(name, shape, dtype) of each tensor, in order."""
 Scalar = tuple[Any, str]
@@ -211,11 +213,8 @@ class HostMover:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            at = 0
-            for t in tensors:
-                flat[at:at + t.numel()].view(t.shape).copy_(t.detach(),
-                                                            non_blocking=stream is not None)
-                at += t.numel()
+            for view, t in laid_out(flat, tensors):
+                view.copy_(t.detach(), non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
         return flat

@@ -67,6 +67,17 @@ def bundles(items: Sequence[Item]) -> list[Bundle]:
     return out
 
 
+def laid_out(flat: torch.Tensor, tensors: Sequence[torch.Tensor]
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(view of ``flat``, tensor) for each of ``tensors``, end to end in ``flat``: where a
+    packed message holds each of them, at both ends."""
+    out, at = [], 0
+    for t in tensors:
+        out.append((flat[at:at + t.numel()].view(t.shape), t))
+        at += t.numel()
+    return out
+
+
 class Pool:
     """Host memory for one migration's packed messages, each buffer reused once its wave
     has landed: packing into fresh memory costs a page fault per page, which made the pack

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from chameleon_megatron.resilience.decision.layout import StateUnit
 from chameleon_megatron.resilience.decision.restorer import StateKind, Transfer
 from chameleon_megatron.resilience.recovery.host_copies import HostMover, dtype_of
-from chameleon_megatron.resilience.recovery.packing import Bundle, Item, Pool, bundles
+from chameleon_megatron.resilience.recovery.packing import (Bundle, Item, Pool, bundles,
+                                                            laid_out)
 from chameleon_megatron.resilience.store.waits import wait_keys
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class _Exchange:
         out = bundles(self.sending)
         lone = iter(self.mover.to_host([b.tensors[0] for b in out if not b.packed]))
         for b in out:  # gloo moves host memory
-            buf = self._pack(b) if b.packed else next(lone)
+            buf = self.mover.pack(b.tensors, self._pooled(b)) if b.packed else next(lone)
             self.works.append(self.group.send([buf], self.rank_of[b.peer], b.tag))
             self.sent += b.nbytes
         self.sending = []
@@ -140,8 +141,8 @@ class _Exchange:
     def _post_recvs(self) -> None:
         for b in bundles(self.receiving):
             if b.packed:
-                buf = self._pack(b, fill=False)
-                self.unstage += _unpacked(buf, b.tensors)
+                buf = self._pooled(b)
+                self.unstage += laid_out(buf, b.tensors)
             else:
                 buf = self.mover.staging(b.tensors[0])
                 if buf is not b.tensors[0]:
@@ -150,12 +151,11 @@ class _Exchange:
             self.received += b.nbytes
         self.receiving = []
 
-    def _pack(self, b: Bundle, *, fill: bool = True) -> torch.Tensor:
-        """A pooled host buffer for ``b``'s message (holding its tensors where ``fill``),
-        back in the pool once its wave has landed."""
+    def _pooled(self, b: Bundle) -> torch.Tensor:
+        """A host buffer for packed message ``b``, back in the pool once its wave landed."""
         buf = self.pool.take(b.tensors[0].dtype, sum(t.numel() for t in b.tensors))
         self.pooled.append(buf)
-        return self.mover.pack(b.tensors, buf) if fill else buf
+        return buf
 
     def copy(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
         for s, d in zip(src, dst):
@@ -189,16 +189,6 @@ class _Posted:
             work.wait()
         self.mover.to_device(self.unstage)
         self.pool.give(self.pooled)
-
-
-def _unpacked(flat: torch.Tensor, tensors: Sequence[torch.Tensor]
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(view of ``flat``, tensor) for each of ``tensors`` packed end to end in it."""
-    out, at = [], 0
-    for t in tensors:
-        out.append((flat[at:at + t.numel()].view(t.shape), t))
-        at += t.numel()
-    return out
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
