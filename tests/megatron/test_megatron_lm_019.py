@@ -20,7 +20,7 @@ from lm_support import (  # noqa: E402
     script_bytes,
 )
 from test_megatron_lm_real import USER_FLAGS, iterations, readme_recipe  # noqa: E402
-from test_megatron_lm_presets import PRESETS, probe_preset  # noqa: E402
+from test_megatron_lm_presets import PRESETS, check_preset, probe_presets  # noqa: E402
 from test_megatron_lm_yaml import PLACEMENTS, probe_yaml_path  # noqa: E402
 
 REQUIRED = os.environ.get("CHAMELEON_REQUIRE_019") == "1"
@@ -241,9 +241,14 @@ def test_megatron_lms_yaml_path_cannot_start_a_gpt_job_on_0_19(tmp_path, placeme
     probe_yaml_path(REAL_019, tmp_path, placement, error)
 
 
+@pytest.fixture(scope="module")
+def parsed_presets_019() -> dict[str, dict]:
+    return probe_presets(REAL_019)
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
-def test_every_preset_is_read_by_0_19s_parser(preset):
-    probe_preset(REAL_019, preset)
+def test_every_preset_is_read_by_0_19s_parser(parsed_presets_019, preset):
+    check_preset(parsed_presets_019, preset)
 
 
 @pytest.mark.serial

@@ -297,26 +297,24 @@ def load_every_tensor(path: Path) -> dict:
     return tensors
 
 
-@pytest.mark.parametrize("kind", ["exit", "hang"])
-def test_a_failure_in_the_final_validation_is_recovered(checkout, reference, tmp_path, kind):
-    """Rank 1 dies (or hangs) as pretrain()'s evaluation on the validation set after step 6
-    starts: the survivors redo it on the same batches, then evaluate the test set. A hang
-    is found by the survivors' collectives timing out (the groups' timeout during the work
-    after the last step is the start-up one, 60 s here; the heartbeat allows twice that,
-    so they are not killed first as silent)."""
+def test_a_hang_in_the_final_validation_is_recovered(checkout, reference, tmp_path):
+    """Rank 1 hangs as pretrain()'s evaluation on the validation set after step 6 starts:
+    the survivors redo it on the same batches, then evaluate the test set. The hang is found
+    by the survivors' collectives timing out (the groups' timeout during the work after the
+    last step is the start-up one, 60 s here; the heartbeat allows twice that, so they are
+    not killed first as silent). A rank that exits there: test_megatron_lm_019.py."""
     _, log = killed_at_the_end(checkout, reference, tmp_path,
-                               f"rank=1,iteration=6,phase=final-eval,kind={kind}",
+                               "rank=1,iteration=6,phase=final-eval,kind=hang",
                                "--chameleon-ft-startup-timeout-s", "60")
     assert "the work after step 6 is redone from its final validation" in log
 
 
-@pytest.mark.parametrize("kind", ["exit", "exception"])
-def test_a_failure_in_the_final_test_evaluation_is_recovered(checkout, reference, tmp_path,
-                                                             kind):
-    """Rank 1 dies (or raises) as pretrain()'s evaluation on the test set starts: the
-    survivors redo it alone (the validation is not evaluated twice)."""
+def test_an_exception_in_the_final_test_evaluation_is_recovered(checkout, reference,
+                                                                tmp_path):
+    """Rank 1 raises as pretrain()'s evaluation on the test set starts: the survivors redo
+    it alone (the validation is not evaluated twice)."""
     _, log = killed_at_the_end(checkout, reference, tmp_path,
-                               f"rank=1,iteration=6,phase=final-test,kind={kind}")
+                               "rank=1,iteration=6,phase=final-test,kind=exception")
     assert "the work after step 6 is redone from its final test" in log
 
 

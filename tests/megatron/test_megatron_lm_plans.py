@@ -205,15 +205,25 @@ def test_adaptive_choice_is_recorded_and_a_second_failure_inside_the_plan_recove
     assert second["failed_ranks"] == [2]
 
 
+BF16_TP_JOB = [*MODEL, "--tensor-model-parallel-size", "2", "--bf16",
+               "--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def bf16_tp_plain(checkout, tmp_path_factory) -> list[dict]:
+    """The failure-free BF16_TP_JOB's steps (one run for both strategies)."""
+    out = tmp_path_factory.mktemp("bf16_tp_plain") / "plain.jsonl"
+    return iterations(launch(checkout, out, 4, ft=False, job=BF16_TP_JOB)[0])
+
+
 @pytest.mark.parametrize("strategy", ["reroute", "replan"])
 def test_a_bf16_tensor_parallel_distributed_optimizer_job_runs_each_strategy(
-        checkout, tmp_path, strategy):
+        checkout, bf16_tp_plain, tmp_path, strategy):
     """TP2 x DP2 in bf16 with the distributed optimizer on 4 ranks; rank 3 dies in step 4.
     Its optimizer shard lives on in the host copies of step 2: the job rolls back there and
     redoes the steps since in the layout the strategy takes, each loss the failure-free one
     (bf16 tolerance)."""
-    job = [*MODEL, "--tensor-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer"]
-    plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
+    job, plain = BF16_TP_JOB, bf16_tp_plain
     records, log = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
                           "--chameleon-ft-strategy", strategy,
                           "--chameleon-ft-shard-replica-interval", "2",

@@ -63,16 +63,30 @@ def deep_plans(favour: str) -> list[str]:
     return ["--no-chameleon-ft-keep-replicas"] if favour == "pp" else []
 
 
+_REFERENCES: dict[tuple, dict[str, bytes]] = {}
+"""The files of each failure-free run this test process made, by (iters, flags): the run is
+deterministic, so a second test with the same flags gets a copy instead of a rerun."""
+
+
 def run_reference(tmp: Path, iters: int = ITERS,
                   flags: tuple[str, ...] = ()) -> tuple[dict[int, float], dict]:
-    """Losses and state sums of the failure-free run (one process)."""
-    dump = tmp / "dump"
-    dump.mkdir()
-    metrics = tmp / "metrics.jsonl"
-    run_command([sys.executable, str(WORKER), "--dump", str(dump), "--iters", str(iters), *COMMON,
-                 *flags, "--chameleon-metrics-file", str(metrics)], timeout=120, log=tmp / "log")
-    losses = {r["iteration"]: r["loss"] for r in records(metrics) if r["event"] == "iteration"}
-    return losses, json.loads((dump / "0.json").read_text())
+    """Losses and state sums of the failure-free run (one process); its files (dump/,
+    metrics.jsonl, log) land in ``tmp``."""
+    key = (iters, tuple(flags))
+    if key in _REFERENCES:
+        for name, data in _REFERENCES[key].items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(data)
+    else:
+        (tmp / "dump").mkdir()
+        run_command([sys.executable, str(WORKER), "--dump", str(tmp / "dump"), "--iters",
+                     str(iters), *COMMON, *flags, "--chameleon-metrics-file",
+                     str(tmp / "metrics.jsonl")], timeout=120, log=tmp / "log")
+        _REFERENCES[key] = {str(f.relative_to(tmp)): f.read_bytes()
+                            for f in tmp.rglob("*") if f.is_file()}
+    losses = {r["iteration"]: r["loss"] for r in records(tmp / "metrics.jsonl")
+              if r["event"] == "iteration"}
+    return losses, json.loads((tmp / "dump" / "0.json").read_text())
 
 
 def launch(tmp: Path, nproc: int, flags: list[str], timeout_s: float,

@@ -88,7 +88,9 @@ def test_a_bf16_job_recovers_in_memory(tmp_path: Path) -> None:
     assert_same_state(combine([ref_dump]), combine(list(dumps.values())), rtol=STATE_RTOL)
 
 
-@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+# One strategy per model through the plan runtime, the two alternating over the models
+# (each pair took a few minutes of CI): every model, and each strategy, is still covered.
+@pytest.mark.parametrize("strategy,mode", [("replan", "hetero")])
 def test_a_bf16_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
                                                       mode: str) -> None:
     """The plan's stages train as the trainer's do: bf16 parameters in ``Float16Module``,
@@ -101,7 +103,7 @@ def test_a_bf16_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: 
     assert_every_copy_matches(ref_dump, dumps, rtol=STATE_RTOL)
 
 
-@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute")])
 def test_an_sgd_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
                                                       mode: str) -> None:
     done, ref_dump, dumps = recover(tmp_path, ("--optimizer", "sgd"), rtol=1e-4,
@@ -111,13 +113,13 @@ def test_an_sgd_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: 
     assert_every_copy_matches(ref_dump, dumps)
 
 
-@pytest.mark.parametrize("strategy,mode", [("adaptive", "megatron"), ("reroute", "reroute"),
-                                           ("replan", "hetero")])
+@pytest.mark.parametrize("strategy,mode", [("adaptive", "megatron"), ("reroute", "reroute")])
 def test_a_bf16_tp2_sgd_job_recovers(tmp_path: Path, strategy: str, mode: str) -> None:
     """8 ranks, TP2 x PP2 x DP2, bf16, SGD with momentum (megatron's distributed optimizer
     shards Adam only, so this is the replicated one); rank 0 dies. Each strategy finishes
     every step within the bf16 tolerance, every TP shard of the weights and momentum buffers
-    within the bf16 state tolerance of the one-process run."""
+    within the bf16 state tolerance of the one-process run. (A TP2 re-plan onto a
+    heterogeneous pipeline: the next tests.)"""
     done, ref_dump, dumps = recover(tmp_path, ("--bf16", "--optimizer", "sgd"), rtol=BF16_RTOL,
                                     ft=("--chameleon-ft-strategy", strategy),
                                     favour="dp" if mode == "megatron" else "pp", tp=2)
@@ -126,7 +128,6 @@ def test_a_bf16_tp2_sgd_job_recovers(tmp_path: Path, strategy: str, mode: str) -
         "replan" if mode == "megatron" else strategy), done
     holders = [r for r, d in dumps.items() if not d.get("spare")]
     replicas = ([[2, 3, 4, 5], [2, 3, 6, 7]] if mode == "reroute" else
-                [holders] if mode == "hetero" else
                 [[r for r in holders if dumps[r]["dp_rank"] == k] for k in (0, 1)])
     for replica in replicas:
         assert_same_state(combine([ref_dump]),
@@ -134,7 +135,7 @@ def test_a_bf16_tp2_sgd_job_recovers(tmp_path: Path, strategy: str, mode: str) -
                           rtol=STATE_RTOL)
 
 
-@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
+@pytest.mark.parametrize("strategy,mode", [("replan", "hetero")])
 def test_an_moe_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
                                                       mode: str) -> None:
     done, ref_dump, dumps = recover(tmp_path, MOE, rtol=1e-4,
@@ -144,20 +145,18 @@ def test_an_moe_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: 
     assert_every_copy_matches(ref_dump, dumps)
 
 
-@pytest.mark.parametrize("flags, rtol", [((), 1e-4), (("--bf16",), BF16_RTOL)])
-def test_a_tp2_job_re_plans_onto_a_heterogeneous_pipeline(tmp_path: Path, flags: tuple,
-                                                          rtol: float) -> None:
+def test_a_tp2_job_re_plans_onto_a_heterogeneous_pipeline(tmp_path: Path) -> None:
     """8 ranks, TP2 x PP2 x DP2; rank 0 dies, its TP group with it: the three intact TP
     groups form one pipeline of depth 3 (the plan runtime at tp = 2: a TP group per stage,
-    each TP index synced apart, logits gathered over the stage's TP group for the loss)."""
-    done, ref_dump, dumps = recover(tmp_path, flags, rtol=rtol,
+    each TP index synced apart, logits gathered over the stage's TP group for the loss).
+    bf16 at TP2 onto such a pipeline: test_dist_opt_e2e.py's MoE job."""
+    done, ref_dump, dumps = recover(tmp_path, (), rtol=1e-4,
                                     ft=("--chameleon-ft-strategy", "replan"), favour="pp", tp=2)
     lay = done["layout_after"]
     assert done["decision"]["executed"] == "replan" and lay["mode"] == "hetero", lay
     assert [len(p["stages"]) for p in lay["pipelines"]] == [3], lay
     assert all(len(st) == 2 for st in lay["pipelines"][0]["stages"]), lay
-    assert_same_state(combine([ref_dump]), combine(list(dumps.values())),
-                      rtol=1e-4 if rtol == 1e-4 else STATE_RTOL)
+    assert_same_state(combine([ref_dump]), combine(list(dumps.values())), rtol=1e-4)
 
 
 def test_a_tp2_job_reroutes_around_a_dead_tensor_parallel_group(tmp_path: Path) -> None:
@@ -177,23 +176,21 @@ def test_a_tp2_job_reroutes_around_a_dead_tensor_parallel_group(tmp_path: Path) 
                           combine([{**dumps[r], "dp_rank": 0} for r in replica]))
 
 
-@pytest.mark.parametrize("strategy,mode", [("reroute", "reroute"), ("replan", "hetero")])
-def test_a_tp2_moe_job_recovers_through_the_plan_runtime(tmp_path: Path, strategy: str,
-                                                         mode: str) -> None:
+def test_a_tp2_moe_job_reroutes_through_the_plan_runtime(tmp_path: Path) -> None:
     """8 ranks, TP2 x PP2 x DP2, MoE (4 experts) with sequence parallelism, which
     megatron-core's MoE at TP > 1 needs (on torch's norms: ``megatron.sp_norm``); rank 0
     dies. The plan splits the experts over each stage's TP group and sums the norms' and
-    router's partial gradients over it; forced rerouting and a forced re-plan onto one
-    pipeline of three TP2 stages match the one-process MoE run. (Without the load-balancing
-    loss: megatron-core computes it per sequence part under sequence parallelism, so even
-    the failure-free TP2 job drifts from one process by up to 2.2e-4 in 6 steps, measured.)"""
+    router's partial gradients over it; forced rerouting matches the one-process MoE run
+    (a re-plan onto one pipeline of three TP2 stages: test_dist_opt_e2e.py). Without the
+    load-balancing loss: megatron-core computes it per sequence part under sequence
+    parallelism, so even the failure-free TP2 job drifts from one process by up to 2.2e-4
+    in 6 steps (measured)."""
     done, ref_dump, dumps = recover(tmp_path, MOE[:3], rtol=1e-4,
-                                    ft=("--chameleon-ft-strategy", strategy), favour="pp",
+                                    ft=("--chameleon-ft-strategy", "reroute"), favour="pp",
                                     tp=2, job_only=("--sequence-parallel",))
     lay = done["layout_after"]
-    assert done["decision"]["executed"] == strategy and lay["mode"] == mode, lay
-    replicas = [[2, 3, 4, 5], [2, 3, 6, 7]] if mode == "reroute" else [list(dumps)]
-    for replica in replicas:
+    assert done["decision"]["executed"] == "reroute" and lay["mode"] == "reroute", lay
+    for replica in ([2, 3, 4, 5], [2, 3, 6, 7]):
         assert_same_state(combine([ref_dump]),
                           combine([{**dumps[r], "dp_rank": 0} for r in replica
                                    if not dumps[r].get("spare")]))

@@ -14,8 +14,8 @@ weights and Adam moments, and nothing is left running.
 ``test_soak_random_seed`` draws a new seed and names it on failure;
 ``CHAMELEON_SOAK_SEED=<seed>`` replays one; ``test_soak_replays_seeds_that_found_bugs``
 replays the seeds that found bugs. The soak jobs (a few minutes each, marker ``soak``) run
-only with ``CHAMELEON_SOAK=1``, which ``scripts/test.sh`` sets for them on every run; the
-schedule's own test always runs.
+only with ``CHAMELEON_SOAK=1``, apart from the suite: ``CHAMELEON_SOAK=1 bash scripts/test.sh
+-m soak`` (they took a third of CI's time); the schedule's own test always runs.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ from chameleon_megatron.resilience.store.job_store import JobStore
 # only a backstop for a machine so slow that 200 steps take that long.
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1800), pytest.mark.serial]
 def soak_job(test):
-    """A soak job: a few minutes of 8 ranks; scripts/test.sh runs them (marker ``soak``)
-    after the other tests, with CHAMELEON_SOAK=1."""
+    """A soak job: a few minutes of 8 ranks (marker ``soak``), run with CHAMELEON_SOAK=1."""
     return pytest.mark.soak(pytest.mark.skipif(
         not os.environ.get("CHAMELEON_SOAK"), reason="soak jobs run with CHAMELEON_SOAK=1")(test))
 
