@@ -18,7 +18,7 @@ fi
 # The soak (marker `soak`, minutes per job) is not part of this run:
 # CHAMELEON_SOAK=1 bash scripts/test.sh -m soak
 LATE=(tests/megatron/test_megatron_lm_plans.py tests/resilience/recovery/test_transfer.py
-      tests/test_gpu_validate.py tests/test_readme.py tests/megatron/test_groups.py)
+      tests/test_gpu_validate.py tests/megatron/test_groups.py)
 # Each source the tests' processes import (the Megatron-LM checkouts they copy included) is
 # compiled once, not in every process, where the environment sets PYTHONDONTWRITEBYTECODE; the
 # bytecode goes to a folder of its own, never next to a checkout's sources.

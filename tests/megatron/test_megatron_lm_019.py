@@ -172,8 +172,9 @@ def test_a_plan_runs_on_0_19s_loop_with_the_failure_free_losses(checkout, tmp_pa
 
 @pytest.mark.serial
 def test_a_checkpoint_during_a_plan_resumes_a_fresh_job_on_0_19(checkout, tmp_path):
-    """test_megatron_lm_plans' checkpoint during a plan, on this release: rank 1 dies in
-    step 2, the heterogeneous re-plan redoes it; the checkpoint after step 2 is 0.19's own,
+    """test_megatron_lm_plans' checkpoint during a plan, on this release, the failure in
+    step 2 itself (0.16's is in the save after it): rank 1 dies, the heterogeneous re-plan
+    redoes the step; the checkpoint after step 2 is 0.19's own,
     written in a megatron layout the job changes to for it, and the plan returns for steps 5
     and 6. A fresh 0.19 job on all 4 ranks (PP2 x DP2) loads it and trains steps 3 to 6:
     every loss within 1e-4 of 0.19's failure-free run."""
@@ -206,7 +207,7 @@ def test_a_checkpoint_during_a_plan_resumes_a_fresh_job_on_0_19(checkout, tmp_pa
 def test_a_respawned_worker_joins_on_0_19(checkout, tmp_path):
     """0.19's pretrain() takes a joiner as 0.16's does (its initialize_megatron stops short
     of the distributed world; the model comes from 0.19's config container for the layout
-    the joiner is given): the respawn test of test_megatron_lm_ft, on this release."""
+    the joiner is given): ``test_megatron_lm_ft.respawned_joins`` on this release."""
     from test_megatron_lm_ft import JOIN_JOB, launch, respawned_joins
 
     ckpt, env = checkout

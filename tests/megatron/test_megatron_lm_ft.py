@@ -199,24 +199,9 @@ def test_an_sgd_job_recovers_with_its_momentum(checkout, tmp_path):
     assert done["migrated_bytes"] > 0
 
 
-def test_an_moe_job_recovers_its_router_expert_bias(checkout, tmp_path):
-    """PP2 x DP2, MoE with aux-loss-free load balancing (``--moe-router-enable-expert-bias``):
-    rank 1 dies in backward of step 3. The router's ``expert_bias``, a module buffer that
-    Megatron's ``finalize_model_grads`` updates each step, survives the recovery: every loss
-    within 1e-4 of Megatron-LM's failure-free run (a bias restarting at zero routes the
-    redone step otherwise). (This also passes with buffers left out of the migration: what
-    else keeps the bias on this path is not known yet.)"""
-    job = [*JOB, *MOE, "--moe-router-score-function",
-           "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
-    _, done = killed_against_plain(checkout, tmp_path, job,
-                                   "rank=1,iteration=3,phase=backward,kind=exit", abs=TOLERANCE)
-    assert (done["failed_ranks"], done["fallback"], done["redo_iteration"]) == ([1], None, 3)
-
-
-@pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
-def test_a_distributed_optimizer_job_recovers_from_its_shard_copies(checkout, tmp_path, model):
-    """PP2 x DP2 with ``--use-distributed-optimizer`` (dense, or MoE with EP = 1, whose
-    experts are sharded with the rest): its Adam state is sharded over the two
+def test_a_distributed_optimizer_job_recovers_from_its_shard_copies(checkout, tmp_path):
+    """PP2 x DP2, MoE with EP = 1 (its experts sharded with the rest, its attention dense),
+    with ``--use-distributed-optimizer``: its Adam state is sharded over the two
     replicas, so rank 1's shard lives on only in the host copy its successor (rank 3) took
     after step 2 (copies every 2 steps). Rank 1 dies in backward of step 4: the survivors
     rebuild every unit from the copies, roll back to step 2 (to the start when step 2's
@@ -224,7 +209,7 @@ def test_a_distributed_optimizer_job_recovers_from_its_shard_copies(checkout, tm
     center picks (a plan leaves for a megatron layout around the evaluation after step 6:
     not this recovery). Against Megatron-LM's failure-free run of the same job: every loss
     within 1e-4, redone ones included."""
-    job = [*JOB, *model, "--use-distributed-optimizer"]
+    job = [*JOB, *MOE, "--use-distributed-optimizer"]
     plain = iterations(launch(checkout, tmp_path / "plain.jsonl", 4, ft=False, job=job)[0])
     records, _ = launch(checkout, tmp_path / "ft.jsonl", 4, "--chameleon-ft",
                         "--chameleon-ft-shard-replica-interval", "2",
@@ -337,19 +322,14 @@ def join_reference(checkout, tmp_path_factory):
                   job=JOIN_JOB)
 
 
-def test_a_respawned_worker_joins_and_the_layout_grows_back(checkout, join_reference,
-                                                            tmp_path):
+def respawned_joins(checkout, plain: tuple[list[dict], str], tmp_path) -> None:
     """PP2 x DP2 on 4 ranks; rank 3 dies in step 3. chameleon-run restarts its slot as a
     joiner (``--chameleon-ft-respawns 1``): a new pretrain_gpt.py whose pretrain() stops
     after Megatron-LM's arguments and holds nothing until invited. The survivors re-plan
     (3 ranks: DP2, a spare), then admit the joiner between two steps: four ranks again,
-    every step once, every loss, validation and end-of-job evaluation that of Megatron-LM's
-    failure-free run."""
-    respawned_joins(checkout, join_reference, tmp_path)
-
-
-def respawned_joins(checkout, plain: tuple[list[dict], str], tmp_path) -> None:
-    """The respawn test's job against ``plain``, the failure-free run (also on 0.19)."""
+    every step once, every loss, validation and end-of-job evaluation that of ``plain``,
+    Megatron-LM's failure-free run. Run on 0.19 (test_megatron_lm_019.py); on 0.16 a new
+    node joins below."""
     joined = launch(checkout, tmp_path / "ft.jsonl", 4, *JOIN_FT, "--chameleon-ft-respawns",
                     "1", "--chameleon-ft-respawn-delay-s", "0", job=JOIN_JOB)
     assert_grown_back(plain, joined)
